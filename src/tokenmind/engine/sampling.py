@@ -1,0 +1,68 @@
+"""Sampling parameters and the logits → next-token step they control."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token. temperature 0 means greedy (argmax)."""
+
+    max_tokens: int = 128
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off; else keep the k most likely tokens
+    top_p: float = 1.0  # nucleus: keep the smallest set with this much probability mass
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)  # in addition to the tokenizer's EOS ids
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """An explicit RNG per request, so a seed reproduces the same text whatever else runs."""
+    g = torch.Generator(device=device)
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, then top-p on (B, V) float logits; removed tokens get -inf."""
+    logits = logits.float() / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        # Drop a token when the mass before it already reaches top_p (the top token always stays).
+        drop_sorted = (cum - sorted_logits.softmax(-1)) >= params.top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """Pick one token per row of (B, V) logits → (B,) int64."""
+    if params.greedy:
+        return logits.argmax(-1)
+    probs = filter_logits(logits, params).softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -1,0 +1,157 @@
+"""Checkpoint I/O: HF directories (config.json + safetensors, sharded or not) and GGUF files in;
+HF directories out. Weights are only ever read through safetensors/GGUF, never `torch.load`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .config import ModelConfig
+from .transformer import Transformer
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+_FUSED = {  # our fused module → the HF modules stacked in it, in order
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+def from_hf_state_dict(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF names (`model.layers.0.self_attn.q_proj.weight`, ...) → ours (fused q/k/v and gate/up)."""
+    ours = {k.removeprefix("model."): v for k, v in hf.items() if "rotary_emb" not in k}
+    for name in list(ours):
+        for fused, parts in _FUSED.items():
+            if name.split(".", 2)[-1].startswith(parts[0] + "."):  # layers.{i}.<part>.<weight|bias>
+                prefix, suffix = name.split(parts[0])
+                keys = [prefix + p + suffix for p in parts]
+                if all(k in ours for k in keys):
+                    ours[prefix + fused + suffix] = torch.cat([ours.pop(k) for k in keys], dim=0)
+    return ours
+
+def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
+    """Our state dict → HF names, with the fused projections split back apart."""
+    cfg, hf = model.cfg, {}
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    sizes = {"self_attn.qkv_proj": [q, kv, kv], "mlp.gate_up_proj": [cfg.intermediate_size] * 2}
+    for name, tensor in model.state_dict().items():
+        if cfg.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        hf_name = name if name.startswith("lm_head.") else f"model.{name}"
+        for fused, parts in _FUSED.items():
+            if f".{fused}." in name:
+                for part, piece in zip(parts, tensor.split(sizes[fused], dim=0)):
+                    hf[hf_name.replace(fused, part)] = piece
+                break
+        else:
+            hf[hf_name] = tensor
+    return hf
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        raise ValueError(
+            f"{path} is not a readable safetensors file ({e}); it may be truncated or corrupt — "
+            "re-download or re-save the checkpoint"
+        ) from e
+
+def read_hf_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    """All tensors of an HF checkpoint directory, following a shard index when there is one."""
+    index = model_dir / SAFETENSORS_INDEX
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{index} is not a valid safetensors index (needs a 'weight_map'): {e}") from e
+        tensors: dict[str, torch.Tensor] = {}
+        for shard in sorted(set(weight_map.values())):
+            shard_path = model_dir / shard
+            if not shard_path.exists():
+                raise FileNotFoundError(f"{index} names shard {shard}, which is missing from {model_dir}")
+            tensors.update(_read_safetensors(shard_path))
+        return tensors
+    single = model_dir / "model.safetensors"
+    if single.exists():
+        return _read_safetensors(single)
+    if any(model_dir.glob("*.bin")) or any(model_dir.glob("*.pt")):
+        raise ValueError(
+            f"{model_dir} has only pickle weights (*.bin/*.pt); tokenmind reads safetensors only because "
+            "unpickling runs arbitrary code — convert with transformers' save_pretrained(safe_serialization=True)"
+        )
+    raise FileNotFoundError(f"no model.safetensors or {SAFETENSORS_INDEX} in {model_dir}")
+
+def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], *, source: str,
+                dtype: torch.dtype = torch.float32) -> Transformer:
+    """Create a `Transformer` and load HF-named weights into it, checking names and shapes."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    ours = from_hf_state_dict(state_dict)
+    if cfg.tie_word_embeddings:
+        ours.pop("lm_head.weight", None)
+        expected.pop("lm_head.weight")
+    missing = sorted(set(expected) - set(ours))
+    unexpected = sorted(set(ours) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"{source}: checkpoint tensors do not match the config "
+            f"(missing: {missing[:5]}{'...' if len(missing) > 5 else ''}; "
+            f"unexpected: {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}); "
+            "check that config.json belongs to these weights"
+        )
+    for name, shape in expected.items():
+        if tuple(ours[name].shape) != tuple(shape):
+            raise ValueError(
+                f"{source}: tensor {name} has shape {tuple(ours[name].shape)}, the config implies "
+                f"{tuple(shape)}; check hidden_size/heads/vocab_size in config.json"
+            )
+    model = model.to_empty(device="cpu")
+    model.load_state_dict({k: v.to(dtype) for k, v in ours.items()}, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rotary = type(model.rotary)(cfg)  # buffers were on meta; recompute them
+    return model.to(dtype).eval()
+
+def load_hf_dir(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Transformer:
+    model_dir = Path(model_dir)
+    config_path = model_dir / "config.json"
+    if not config_path.exists():
+        raise FileNotFoundError(f"{config_path} not found; a Hugging Face model directory needs config.json")
+    try:
+        hf_cfg = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_path} is not valid JSON: {e}") from e
+    cfg = ModelConfig.from_hf(hf_cfg)
+    return build_model(cfg, read_hf_state_dict(model_dir), source=str(model_dir), dtype=dtype)
+
+def save_hf_dir(model: Transformer, out_dir: str | Path, tokenizer=None) -> Path:
+    """Write config.json + model.safetensors (+ the tokenizer's files) so `transformers` loads it.
+
+    Written into a temporary sibling directory and renamed into place, so an interrupted save
+    never leaves a half checkpoint under the final name.
+    """
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        cfg = model.cfg
+        (tmp / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")
+        tensors = {k: v.detach().to(torch.float32).contiguous() for k, v in to_hf_state_dict(model).items()}
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

@@ -1,0 +1,175 @@
+"""`ModelConfig`: the one description of a decoder-only Transformer, and its mapping to HF `config.json`.
+
+Every supported family (Llama, Mistral, Qwen2, Qwen3, SmolLM) is the same network with a few
+switches, so the switches live here and the `Transformer` reads only this dataclass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+@dataclass
+class ModelConfig:
+    """Sizes and switches of a decoder-only Transformer. Field names follow HF `config.json`."""
+
+    vocab_size: int = 32000
+    hidden_size: int = 576
+    intermediate_size: int = 1536
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 8
+    num_key_value_heads: int | None = None  # None → same as num_attention_heads (MHA); 1 → MQA
+    head_dim: int | None = None  # None → hidden_size // num_attention_heads
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "linear"|"dynamic"|"yarn"|"llama3", ...}
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2: biases on q/k/v projections
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    sliding_window: int | None = None  # Mistral: attend to at most this many previous tokens
+    attn_logit_softcapping: float | None = None  # scores → cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None
+    model_type: str = "llama"
+    extra: dict[str, Any] = field(default_factory=dict)  # HF keys we carry through unchanged
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                    f"{self.num_attention_heads}; set head_dim explicitly"
+                )
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads} (grouped-query attention shares each "
+                "key/value head across an equal group of query heads)"
+            )
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {self.model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        if self.rope_scaling is not None:
+            rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+            if rope_type not in ROPE_TYPES:
+                raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+            self.rope_scaling = {**self.rope_scaling, "rope_type": rope_type}
+            self.rope_scaling.pop("type", None)
+            self.rope_scaling.pop("rope_theta", None)
+            if rope_type == "default":
+                self.rope_scaling = None
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def num_parameters(self) -> int:
+        """Parameter count (tied embeddings counted once), for MFU and reports."""
+        d, h, kv, hd = self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim
+        attn = d * h * hd * 2 + d * kv * hd * 2
+        mlp = 3 * d * self.intermediate_size
+        norms = 2 * d + (2 * hd if self.qk_norm else 0)
+        emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * (attn + mlp + norms) + emb + d
+
+    # ---- Hugging Face config.json ----------------------------------------------------------------
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """Build from a HF `config.json` dict (both the v4 `rope_scaling` and v5 `rope_parameters` forms)."""
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {model_type!r} in config.json; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in hf]
+        if missing:
+            raise ValueError(f"config.json is missing required keys: {', '.join(missing)}")
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        rope_theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+        bias = bool(hf.get("attention_bias", False))
+        sliding = hf.get("sliding_window")
+        if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+            sliding = None
+        known = {f.name for f in dataclasses.fields(cls)} | {
+            "rope_parameters", "attention_bias", "use_sliding_window", "architectures", "torch_dtype", "dtype",
+            "transformers_version", "hidden_act",
+        }
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r}; only 'silu' (SwiGLU) is supported")
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=hf["num_attention_heads"],
+            num_key_value_heads=hf.get("num_key_value_heads"),
+            head_dim=hf.get("head_dim"),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope or None,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=True if model_type == "qwen2" else bias,
+            o_bias=False if model_type == "qwen2" else bias,
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            sliding_window=sliding,
+            attn_logit_softcapping=hf.get("attn_logit_softcapping"),
+            final_logit_softcapping=hf.get("final_logit_softcapping"),
+            model_type=model_type,
+            extra={k: v for k, v in hf.items() if k not in known},
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """A `config.json` dict that `transformers` loads into the matching *ForCausalLM class."""
+        hf: dict[str, Any] = {
+            **self.extra,
+            "architectures": [_ARCHITECTURES[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "torch_dtype": "float32",
+        }
+        if self.model_type in ("llama", "qwen3"):
+            hf["attention_bias"] = self.qkv_bias
+        if self.model_type == "llama":
+            hf["mlp_bias"] = self.mlp_bias
+        if self.model_type == "mistral" or self.sliding_window is not None:
+            hf["sliding_window"] = self.sliding_window
+        if self.model_type in ("qwen2", "qwen3"):
+            hf["use_sliding_window"] = self.sliding_window is not None
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if getattr(self, name) is not None:
+                hf[name] = getattr(self, name)
+        return hf

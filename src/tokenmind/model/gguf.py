@@ -1,0 +1,308 @@
+"""Read GGUF files (llama.cpp's format): metadata, the embedded tokenizer, dequantized tensors.
+
+A GGUF file speaks llama.cpp's dialect: its own metadata keys, its own tensor names, and, for the
+llama family, q/k projection rows permuted for llama.cpp's interleaved RoPE. This module translates
+all of it to Hugging Face conventions (a `config.json` dict, HF parameter names, HF row layout), so
+the rest of tokenmind never needs to know a checkpoint came from a GGUF file.
+
+Tensors stay memory-mapped: `read_gguf` only parses the header, and dequantization happens when
+`load_state_dict` (everything, fp32) or `raw_tensor` (one tensor, still quantized) asks for it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf.gguf_reader import ReaderTensor
+from gguf.quants import dequantize
+
+Q = GGMLQuantizationType
+
+# GGUF `general.architecture` -> (HF model_type, HF class, are q/k rows permuted?). llama.cpp's
+# converter permutes q/k only for the llama family (Mistral GGUFs are written as "llama" too).
+_ARCHITECTURES = {
+    "llama": ("llama", "LlamaForCausalLM", True),
+    "mistral": ("mistral", "MistralForCausalLM", True),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM", False),
+}
+
+# The types whose `gguf.quants.dequantize` output tests/test_gguf.py checks against a reference.
+SUPPORTED_QUANT_TYPES = frozenset(
+    {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+)
+
+_TOP_LEVEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TENSOR_NAME = re.compile(r"(?:blk\.(\d+)\.)?(\w+)\.(weight|bias)")
+
+
+class GGUFError(ValueError):
+    """A file that is not a GGUF file, is damaged, or holds something this reader cannot translate."""
+
+
+@dataclass
+class GGUFTokenizer:
+    """The tokenizer a GGUF file carries in its `tokenizer.ggml.*` / `tokenizer.chat_template` keys."""
+
+    model: str  # "gpt2" (byte-level BPE) or "llama" (SentencePiece BPE)
+    pre: str | None  # pre-tokenizer name, e.g. "smollm", "llama-bpe", "qwen2"
+    tokens: list[str]
+    token_types: list[int]  # 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
+    merges: list[str]  # "a b" strings; empty for SentencePiece vocabularies
+    scores: list[float] | None
+    bos_token_id: int | None
+    eos_token_id: int | None
+    unk_token_id: int | None
+    pad_token_id: int | None
+    add_bos_token: bool
+    add_eos_token: bool
+    chat_template: str | None
+    extra: dict = field(default_factory=dict)  # the other `tokenizer.*` keys, e.g. add_space_prefix
+
+
+@dataclass
+class GGUFCheckpoint:
+    """What a GGUF file holds, translated to Hugging Face conventions."""
+
+    path: Path
+    architecture: str  # GGUF `general.architecture`, e.g. "llama"
+    config: dict  # a Hugging Face `config.json` dict (model_type, hidden_size, ...)
+    tokenizer: GGUFTokenizer
+    metadata: dict = field(default_factory=dict, repr=False)  # every GGUF key, decoded
+    _tensors: dict[str, ReaderTensor] = field(default_factory=dict, repr=False)  # HF name -> tensor
+
+    @property
+    def tensor_names(self) -> list[str]:
+        """HF names of the tensors in the file, in file order."""
+        return list(self._tensors)
+
+    def raw_tensor(self, name: str) -> tuple[np.ndarray, GGMLQuantizationType, tuple[int, ...]]:
+        """One tensor as stored (quantized blocks, or floats), for kernels that consume blocks directly.
+
+        Returns (data, type, torch_shape). `data` is what `gguf.quants.dequantize(data, type)` takes:
+        one row per output row, `torch_shape[0]` rows. q/k rows come back in HF order already: a
+        quantization block never spans two rows, so permuting rows of raw blocks is exact.
+        Unpermuted tensors are zero-copy, read-only views of the memory-mapped file.
+        """
+        if name not in self._tensors:
+            raise KeyError(f"{self.path}: no tensor {name!r} (HF name); see .tensor_names")
+        t = self._tensors[name]
+        data = t.data
+        n_heads = self._permuted_heads(name)
+        if n_heads is not None:
+            data = _unpermute_rows(data, n_heads)
+        return data, t.tensor_type, tuple(reversed(t.shape.tolist()))
+
+    def load_state_dict(self, progress: bool = False) -> dict[str, torch.Tensor]:
+        """Every tensor dequantized to a float32 torch tensor, with HF names, shapes and row order."""
+        names = self.tensor_names
+        if progress:
+            from rich.progress import track
+
+            names = track(names, description=f"Dequantizing {self.path.name}", transient=True)
+        return {name: self.tensor(name) for name in names}
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """One tensor (HF name) dequantized to float32, in HF shape and row order."""
+        data, qtype, shape = self.raw_tensor(name)
+        if qtype not in SUPPORTED_QUANT_TYPES:
+            supported = ", ".join(sorted(q.name for q in SUPPORTED_QUANT_TYPES))
+            raise GGUFError(
+                f"{self.path}: tensor {self._tensors[name].name!r} ({name}) is {qtype.name}, "
+                f"which cannot be dequantized; supported types: {supported}"
+            )
+        values = dequantize(data, qtype)
+        if not values.flags.writeable:  # F32 comes back as a view of the read-only memory map
+            values = np.array(values)
+        return torch.from_numpy(values.reshape(shape))
+
+    def _permuted_heads(self, name: str) -> int | None:
+        """How many heads llama.cpp permuted this tensor's rows over, or None if it did not."""
+        if not _ARCHITECTURES[self.architecture][2]:
+            return None
+        if ".self_attn.q_proj." in name:
+            return self.config["num_attention_heads"]
+        if ".self_attn.k_proj." in name:
+            return self.config["num_key_value_heads"]
+        return None
+
+
+def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (convert_hf_to_gguf.py `LlamaModel.permute`).
+
+    HF's rotary embedding rotates the two halves of each head (rotate_half); llama.cpp rotates
+    adjacent pairs. Its converter therefore reorders each head's rows from [x0..x_{h/2-1}, y0..] to
+    [x0, y0, x1, y1, ...]: `w.reshape(n_heads, 2, head_dim // 2, *rest).swapaxes(1, 2)`.
+    The inverse splits the pairs back out: reshape to (n_heads, head_dim // 2, 2) and swap back.
+    """
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    match = _TENSOR_NAME.fullmatch(gguf_name)
+    if match is None:
+        return None
+    block, base, kind = match.groups()
+    if block is None:
+        hf = _TOP_LEVEL_NAMES.get(base)
+        return None if hf is None else f"{hf}.{kind}"
+    hf = _BLOCK_NAMES.get(base)
+    return None if hf is None else f"model.layers.{block}.{hf}.{kind}"
+
+
+def _field_value(f) -> object:
+    """A metadata value as plain Python. Scalar float32s are rounded to their shortest decimal, so a
+    stored 1e-5 reads back as 1e-05 (as in the original config.json), not 9.999999747378752e-06."""
+    value = f.contents()
+    if f.types == [GGUFValueType.FLOAT32]:
+        return float(str(np.float32(value)))
+    return value
+
+
+def _open(path: Path) -> GGUFReader:
+    """Open with GGUFReader, turning its many ways of failing on damaged input into one GGUFError."""
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise GGUFError(f"{path} is not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, IndexError, KeyError, OverflowError, TypeError) as e:
+        raise GGUFError(f"{path} is truncated or corrupt (cannot parse its header: {e})") from e
+    # GGUFReader maps tensor data lazily and may not notice a file cut short; check every extent.
+    size = path.stat().st_size
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise GGUFError(
+                f"{path} is truncated or corrupt: tensor {t.name!r} ends at byte "
+                f"{t.data_offset + t.n_bytes}, but the file has {size} bytes"
+            )
+    if reader.byte_order != "I":
+        raise GGUFError(f"{path} is in the other byte order than this machine's; not supported")
+    return reader
+
+
+def _require(meta: dict, key: str, path: Path) -> object:
+    if key not in meta:
+        raise GGUFError(f"{path}: required metadata key {key!r} is missing")
+    return meta[key]
+
+
+def _read_tokenizer(meta: dict, path: Path) -> GGUFTokenizer:
+    p = "tokenizer.ggml."
+    model = _require(meta, p + "model", path)
+    tokens = _require(meta, p + "tokens", path)
+    fields = ["model", "pre", "tokens", "token_type", "merges", "scores", "bos_token_id", "eos_token_id",
+              "unknown_token_id", "padding_token_id", "add_bos_token", "add_eos_token"]  # fmt: skip
+    used = {p + f for f in fields} | {"tokenizer.chat_template"}
+    return GGUFTokenizer(
+        model=model,
+        pre=meta.get(p + "pre"),
+        tokens=tokens,
+        token_types=meta.get(p + "token_type", [1] * len(tokens)),
+        merges=meta.get(p + "merges", []),
+        scores=meta.get(p + "scores"),
+        bos_token_id=meta.get(p + "bos_token_id"),
+        eos_token_id=meta.get(p + "eos_token_id"),
+        unk_token_id=meta.get(p + "unknown_token_id"),
+        pad_token_id=meta.get(p + "padding_token_id"),
+        # llama.cpp's defaults when the key is absent: SentencePiece vocabularies add BOS.
+        add_bos_token=meta.get(p + "add_bos_token", model == "llama"),
+        add_eos_token=meta.get(p + "add_eos_token", False),
+        chat_template=meta.get("tokenizer.chat_template"),
+        extra={k: v for k, v in meta.items() if k.startswith("tokenizer.") and k not in used},
+    )
+
+
+def _rope_scaling(meta: dict, arch: str, path: Path) -> dict | None:
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    if kind is None and f"{arch}.rope.scale_linear" in meta:  # the key before rope.scaling.* existed
+        return {"rope_type": "linear", "factor": meta[f"{arch}.rope.scale_linear"]}
+    if kind in (None, "none"):
+        return None
+    factor = _require(meta, f"{arch}.rope.scaling.factor", path)
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if kind == "yarn":
+        key = f"{arch}.rope.scaling.original_context_length"
+        scaling = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": _require(meta, key, path)}
+        for gguf_key, hf_key in [("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")]:
+            if f"{arch}.rope.scaling.{gguf_key}" in meta:
+                scaling[hf_key] = meta[f"{arch}.rope.scaling.{gguf_key}"]
+        return scaling
+    raise GGUFError(f"{path}: unsupported RoPE scaling type {kind!r} (supported: linear, yarn)")
+
+
+def _build_config(meta: dict, arch: str, tensor_names: set[str], tokenizer: GGUFTokenizer, path: Path) -> dict:
+    def req(key):
+        return _require(meta, f"{arch}.{key}", path)
+
+    model_type, hf_class, _ = _ARCHITECTURES[arch]
+    hidden, heads = req("embedding_length"), req("attention.head_count")
+    config = {
+        "model_type": model_type,
+        "architectures": [hf_class],
+        "vocab_size": meta.get(f"{arch}.vocab_size", len(tokenizer.tokens)),
+        "hidden_size": hidden,
+        "intermediate_size": req("feed_forward_length"),
+        "num_hidden_layers": req("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv", heads),
+        "head_dim": meta.get(f"{arch}.attention.key_length", hidden // heads),
+        "hidden_act": "silu",
+        "rms_norm_eps": req("attention.layer_norm_rms_epsilon"),
+        "rope_theta": meta.get(f"{arch}.rope.freq_base", 10000.0),  # llama.cpp's default
+        "max_position_embeddings": req("context_length"),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "torch_dtype": "float32",
+    }
+    rope_scaling = _rope_scaling(meta, arch, path)
+    if rope_scaling is not None:
+        config["rope_scaling"] = rope_scaling
+    if f"{arch}.attention.sliding_window" in meta:
+        config["sliding_window"] = meta[f"{arch}.attention.sliding_window"]
+    return config
+
+
+def read_gguf(path: str | Path) -> GGUFCheckpoint:
+    """Parse a GGUF file's header into HF config, tokenizer and tensor index; no tensor data is read."""
+    path = Path(path)
+    reader = _open(path)
+    meta = {key: _field_value(f) for key, f in reader.fields.items()}
+    arch = _require(meta, "general.architecture", path)
+    if arch not in _ARCHITECTURES:
+        raise GGUFError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHITECTURES)}")
+
+    tensors = {}
+    for t in reader.tensors:
+        hf_name = _hf_name(t.name)
+        if hf_name is None:  # e.g. llama 3's rope_freqs.weight: dropping it would change the model
+            raise GGUFError(f"{path}: tensor {t.name!r} has no Hugging Face {arch} equivalent")
+        tensors[hf_name] = t
+
+    tokenizer = _read_tokenizer(meta, path)
+    config = _build_config(meta, arch, {t.name for t in reader.tensors}, tokenizer, path)
+    return GGUFCheckpoint(path, arch, config, tokenizer, metadata=meta, _tensors=tensors)
