@@ -1,0 +1,145 @@
+"""A packing data loader over token shards: fixed-length rows, no padding, resumable.
+
+Pre-training wants every position of every row to be a real token, so documents are not
+padded to the row length but packed: the split's token stream (documents back to back, each
+ending with eos, exactly as `shards.py` stores them) is cut into rows. Row r covers stream
+positions [r*T, r*T + T] (T + 1 tokens): the first T are the inputs, the last T the targets.
+
+Packing puts several documents in one row, and a model should not attend from one document
+into an unrelated previous one. So next to the tokens every batch carries, per position:
+
+* `doc_ids`: which document of the row the input token belongs to, counting from 0 at the
+  row's first token (a document's eos belongs to it); attention is allowed only where
+  `doc_ids` match.
+* `position_ids`: the position inside that document, restarting at 0 at each document start
+  and at the row start (for rotary/learned position embeddings).
+
+Row order is a seeded permutation per epoch, so it is reproducible, and the loader's position
+is two integers (epoch, batch within epoch): `state_dict()` saves them, `load_state_dict()`
+restores them, and the resumed loader yields exactly the batches the original would have.
+With `world_size` > 1, rank k takes every world_size-th row of the permutation (truncated so
+every rank has the same number of rows): ranks see disjoint rows and stay in lockstep.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from tokenmind.data.shards import TokenShards
+
+
+class Batch(NamedTuple):
+    """One batch; every field is a (batch_size, seq_len) int64 tensor."""
+
+    input_ids: torch.Tensor
+    targets: torch.Tensor
+    doc_ids: torch.Tensor
+    position_ids: torch.Tensor
+
+
+@dataclass
+class LoaderConfig:
+    """batch_size and seq_len: rows per batch (per rank) and tokens per row. shuffle=False
+    keeps rows in stream order (useful for validation). rank/world_size: data parallelism."""
+
+    batch_size: int
+    seq_len: int
+    seed: int = 0
+    shuffle: bool = True
+    rank: int = 0
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or self.seq_len < 1:
+            raise ValueError(f"batch_size and seq_len must be >= 1, got {self.batch_size}, {self.seq_len}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, world_size={self.world_size}), got {self.rank}")
+
+
+class PackedLoader:
+    """Infinite iterator of `Batch`es over one split; epochs follow each other seamlessly.
+
+    `batches_per_epoch` tells a training loop how many batches make one pass over this rank's
+    rows; the trailing rows that do not fill a batch on every rank are skipped for that epoch
+    (a different permutation next epoch skips different ones).
+    """
+
+    def __init__(self, shards: TokenShards, cfg: LoaderConfig) -> None:
+        self.shards, self.cfg = shards, cfg
+        self.num_rows = max(shards.num_tokens - 1, 0) // cfg.seq_len
+        self.rows_per_rank = self.num_rows // cfg.world_size
+        self.batches_per_epoch = self.rows_per_rank // cfg.batch_size
+        if self.batches_per_epoch == 0:
+            raise ValueError(
+                f"{shards.num_tokens} tokens make {self.num_rows} rows of {cfg.seq_len}, too few "
+                f"for one batch of {cfg.batch_size} rows on each of {cfg.world_size} rank(s)"
+            )
+        self.epoch = 0
+        self.step = 0  # batches already yielded in the current epoch
+        self._rows: tuple[int, np.ndarray] | None = None  # (epoch, its rows) cache
+
+    def rows_for_epoch(self, epoch: int) -> np.ndarray:
+        """This rank's row indices for `epoch`, in the order they are served."""
+        if self._rows is None or self._rows[0] != epoch:
+            if self.cfg.shuffle:
+                order = np.random.default_rng([self.cfg.seed, epoch]).permutation(self.num_rows)
+            else:
+                order = np.arange(self.num_rows)
+            mine = order[self.cfg.rank :: self.cfg.world_size][: self.rows_per_rank]
+            self._rows = (epoch, mine)
+        return self._rows[1]
+
+    def __iter__(self) -> PackedLoader:
+        return self
+
+    def __next__(self) -> Batch:
+        if self.step == self.batches_per_epoch:
+            self.epoch, self.step = self.epoch + 1, 0
+        size = self.cfg.batch_size
+        rows = self.rows_for_epoch(self.epoch)[self.step * size : (self.step + 1) * size]
+        self.step += 1
+        return self.batch_for_rows(rows)
+
+    def batch_for_rows(self, rows: np.ndarray) -> Batch:
+        """Build the batch made of the given row indices (in that order)."""
+        length = self.cfg.seq_len
+        starts = rows.astype(np.int64) * length
+        windows = np.stack([self.shards.read(int(start), length + 1) for start in starts])
+        windows = windows.astype(np.int64)
+        positions = starts[:, None] + np.arange(length, dtype=np.int64)[None, :]
+        doc_starts = self.shards.doc_starts
+        docs = np.searchsorted(doc_starts, positions, side="right") - 1
+        segment_start = np.maximum(doc_starts[docs], starts[:, None])
+        return Batch(
+            input_ids=torch.from_numpy(windows[:, :-1].copy()),
+            targets=torch.from_numpy(windows[:, 1:].copy()),
+            doc_ids=torch.from_numpy(docs - docs[:, :1]),
+            position_ids=torch.from_numpy(positions - segment_start),
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The exact position, plus what must not change for it to stay meaningful."""
+        return {
+            "epoch": self.epoch,
+            "step": self.step,
+            "num_rows": self.num_rows,
+            "config": asdict(self.cfg),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from `state_dict()`; refuses states from a different dataset or layout."""
+        current = asdict(self.cfg)
+        mismatched = [
+            f"{key}: saved {value!r}, now {current.get(key)!r}"
+            for key, value in state["config"].items()
+            if current.get(key) != value
+        ]
+        if state["num_rows"] != self.num_rows:
+            mismatched.append(f"num_rows: saved {state['num_rows']}, now {self.num_rows}")
+        if mismatched:
+            raise ValueError("Loader state does not match this loader: " + "; ".join(mismatched))
+        self.epoch, self.step = int(state["epoch"]), int(state["step"])

@@ -1,0 +1,269 @@
+"""Text files in, pre-training token shards out: the whole data pipeline in one call.
+
+`run_pipeline` chains the stages in the order that makes each one cheapest and most
+effective:
+
+    read -> normalize -> boilerplate -> quality rules -> exact dedup -> near dedup
+         -> decontaminate -> tokenize (worker processes) -> shards
+
+Cleaning comes first so that dedup compares canonical text; exact dedup comes before MinHash
+because it is far cheaper and removes the bulk of duplicates; decontamination runs on what
+survived. Documents stream through one at a time: memory holds dedup digests and signatures,
+not text. Boilerplate removal needs line counts before it can strip anything, so when it is
+enabled the inputs are read twice (the readers are deterministic, so both passes agree).
+
+Tokenization is the expensive stage, so batches of documents are encoded by a pool of worker
+processes while the main process keeps cleaning; results are consumed in submission order,
+so the shards are byte-identical whatever `num_workers` is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from tokenmind.data.clean import CleanConfig, DocumentCleaner
+from tokenmind.data.decontaminate import DecontaminationConfig, Decontaminator
+from tokenmind.data.dedup import ExactDeduplicator, MinHashConfig, MinHashDeduplicator
+from tokenmind.data.readers import Document, ReaderConfig, read_documents
+from tokenmind.data.report import StageStats, print_report
+from tokenmind.data.shards import ShardConfig, ShardWriter
+
+REPORT_NAME = "report.json"
+
+# Encoded once to fingerprint a tokenizer: two tokenizers that split this text differently
+# (or map pieces to different ids) are different tokenizers, whatever their class or name.
+_PROBE_TEXT = (
+    "The quick brown fox jumps over the lazy dog. 1234567890 +-*/=<>()[]{}\n"
+    "\tdef f(x):\n\t\treturn x ** 2  # code\n"
+    "Größe, naïve café; Ελληνικά; Русский; 中文文本; 日本語; 한국어; العربية; हिन्दी 🙂"
+)
+
+
+class Tokenizer(Protocol):
+    """What the pipeline needs from a tokenizer (it must also be picklable for workers)."""
+
+    vocab_size: int
+    eos_token_id: int
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+
+
+@dataclass
+class DataPipelineConfig:
+    """Settings of every stage. near_dedup=None disables near-dedup; eval_paths are files or
+    folders of evaluation texts to decontaminate against (read with the same reader settings);
+    num_workers <= 1 tokenizes in this process; docs_per_task is the unit of work sent to a
+    worker; start_method is the multiprocessing start method ("spawn" is safe with threads and
+    Rust tokenizers in the parent, "fork" starts faster)."""
+
+    reader: ReaderConfig = field(default_factory=ReaderConfig)
+    clean: CleanConfig = field(default_factory=CleanConfig)
+    exact_dedup: bool = True
+    near_dedup: MinHashConfig | None = field(default_factory=MinHashConfig)
+    eval_paths: list[str | Path] = field(default_factory=list)
+    decontamination: DecontaminationConfig = field(default_factory=DecontaminationConfig)
+    shards: ShardConfig = field(default_factory=ShardConfig)
+    num_workers: int = 2
+    docs_per_task: int = 256
+    start_method: str = "spawn"
+    print_report: bool = True
+
+
+def tokenizer_identity(tokenizer: Tokenizer) -> dict[str, Any]:
+    """What the manifest records about the tokenizer, next to its vocabulary size and eos id:
+    enough for a training run to refuse shards made by a different tokenizer."""
+    probe_ids = [int(i) for i in tokenizer.encode_batch([_PROBE_TEXT])[0]]
+    identity: dict[str, Any] = {
+        "class": f"{type(tokenizer).__module__}.{type(tokenizer).__qualname__}",
+        "fingerprint": hashlib.sha256(json.dumps(probe_ids).encode()).hexdigest(),
+    }
+    name = getattr(tokenizer, "name_or_path", None) or getattr(tokenizer, "name", None)
+    if isinstance(name, str):
+        identity["name"] = name
+    return identity
+
+
+# --- tokenization workers --------------------------------------------------------------------
+
+_worker_tokenizer: Tokenizer | None = None
+
+
+def _init_worker(tokenizer: Tokenizer) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = tokenizer
+
+
+def _encode(tokenizer: Tokenizer, texts: list[str]) -> list[np.ndarray]:
+    # Arrays pickle back from workers far faster than lists of Python ints.
+    return [np.asarray(ids, dtype=np.int64) for ids in tokenizer.encode_batch(texts)]
+
+
+def _encode_in_worker(texts: list[str]) -> list[np.ndarray]:
+    assert _worker_tokenizer is not None, "worker was started without a tokenizer"
+    return _encode(_worker_tokenizer, texts)
+
+
+def _encoded_batches(
+    tokenizer: Tokenizer, batches: Iterable[list[Document]], cfg: DataPipelineConfig
+) -> Iterator[tuple[list[Document], list[np.ndarray]]]:
+    """(documents, their token ids) per batch, in input order, with at most a few batches per
+    worker in flight so memory stays bounded however large the corpus."""
+    if cfg.num_workers <= 1:
+        for docs in batches:
+            yield docs, _encode(tokenizer, [doc.text for doc in docs])
+        return
+    context = multiprocessing.get_context(cfg.start_method)
+    with context.Pool(cfg.num_workers, initializer=_init_worker, initargs=(tokenizer,)) as pool:
+        pending: deque[tuple[list[Document], Any]] = deque()
+        for docs in batches:
+            pending.append((docs, pool.apply_async(_encode_in_worker, ([d.text for d in docs],))))
+            if len(pending) > 2 * cfg.num_workers:
+                done, result = pending.popleft()
+                yield done, result.get()
+        while pending:
+            done, result = pending.popleft()
+            yield done, result.get()
+
+
+def _batched(docs: Iterable[Document], size: int) -> Iterator[list[Document]]:
+    batch: list[Document] = []
+    for doc in docs:
+        batch.append(doc)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+# --- the pipeline ----------------------------------------------------------------------------
+
+
+@dataclass
+class _Check:
+    """A stage that keeps or drops whole documents; `drops(doc)` is True to drop."""
+
+    stats: StageStats
+    drops: Callable[[Document], bool]
+
+
+def _document_checks(cfg: DataPipelineConfig, contaminated: list[dict[str, str]]) -> list[_Check]:
+    checks: list[_Check] = []
+    if cfg.exact_dedup:
+        exact = ExactDeduplicator()
+        checks.append(_Check(StageStats("exact_dedup"), lambda doc: exact.is_duplicate(doc.text)))
+    if cfg.near_dedup is not None:
+        near = MinHashDeduplicator(cfg.near_dedup)
+        checks.append(_Check(StageStats("near_dedup"), lambda doc: near.is_duplicate(doc.text)))
+    if cfg.eval_paths:
+        eval_docs = list(read_documents(cfg.eval_paths, cfg.reader))
+        index = Decontaminator((doc.text for doc in eval_docs), cfg.decontamination)
+
+        def contaminated_doc(doc: Document) -> bool:
+            match = index.match(doc.text)
+            if match is None:
+                return False
+            contaminated.append({"id": doc.id, "source": doc.source, "eval_id": eval_docs[match].id})
+            return cfg.decontamination.action == "remove"
+
+        checks.append(_Check(StageStats("decontaminate"), contaminated_doc))
+    return checks
+
+
+def _surviving(
+    docs: Iterable[Document], cleaner: DocumentCleaner, checks: list[_Check], totals: dict[str, int]
+) -> Iterator[Document]:
+    for doc in docs:
+        totals["documents"] += 1
+        totals["characters"] += len(doc.text)
+        cleaned = cleaner(doc)
+        if cleaned is None:
+            continue
+        for check in checks:
+            dropped = check.drops(cleaned)
+            check.stats.record(len(cleaned.text), None if dropped else len(cleaned.text))
+            if dropped:
+                break
+        else:
+            yield cleaned
+
+
+def run_pipeline(
+    inputs: str | Path | Iterable[str | Path],
+    output_dir: str | Path,
+    tokenizer: Tokenizer,
+    cfg: DataPipelineConfig | None = None,
+) -> dict[str, Any]:
+    """Turn the documents under `inputs` into token shards in `output_dir`.
+
+    Returns the report (also written to `output_dir/report.json` and, if `cfg.print_report`,
+    printed as a table): documents and characters read, per-stage removals, what was written,
+    contaminated documents found, and the configuration used.
+    """
+    cfg = cfg or DataPipelineConfig()
+    started = time.perf_counter()
+    inputs = [inputs] if isinstance(inputs, (str, Path)) else list(inputs)
+    output_dir = Path(output_dir)
+
+    writer = ShardWriter(  # created first: it refuses an already-finished output_dir
+        output_dir,
+        vocab_size=tokenizer.vocab_size,
+        eos_token_id=tokenizer.eos_token_id,
+        tokenizer=tokenizer_identity(tokenizer),
+        cfg=cfg.shards,
+    )
+    cleaner = DocumentCleaner(cfg.clean)
+    if cleaner.needs_first_pass:
+        for doc in read_documents(inputs, cfg.reader):
+            cleaner.observe(doc)
+    contaminated: list[dict[str, str]] = []
+    checks = _document_checks(cfg, contaminated)
+    totals = {"documents": 0, "characters": 0}
+    tokenize_stats = StageStats("tokenize")
+    output = {"documents": 0, "characters": 0}
+
+    survivors = _surviving(read_documents(inputs, cfg.reader), cleaner, checks, totals)
+    with writer:
+        for docs, encoded in _encoded_batches(tokenizer, _batched(survivors, cfg.docs_per_task), cfg):
+            for doc, ids in zip(docs, encoded):
+                tokenize_stats.record(len(doc.text), len(doc.text) if len(ids) else None)
+                if len(ids):
+                    writer.add(ids)
+                    output["documents"] += 1
+                    output["characters"] += len(doc.text)
+    manifest = writer.manifest
+    assert manifest is not None
+
+    stages = [*cleaner.stats, *(check.stats for check in checks), tokenize_stats]
+    report: dict[str, Any] = {
+        "inputs": [str(path) for path in inputs],
+        "output_dir": str(output_dir),
+        "documents_read": totals["documents"],
+        "characters_read": totals["characters"],
+        "stages": [stage.to_dict() for stage in stages],
+        "output": {
+            **output,
+            "tokens": manifest["total_tokens"],
+            "splits": {
+                name: {"documents": split["documents"], "tokens": split["tokens"]}
+                for name, split in manifest["splits"].items()
+            },
+        },
+        "contaminated": contaminated,
+        "seconds": round(time.perf_counter() - started, 3),
+        "config": json.loads(json.dumps(asdict(cfg), default=str)),
+    }
+    (output_dir / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    if cfg.print_report:
+        print_report(report)
+    return report
