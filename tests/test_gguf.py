@@ -491,7 +491,8 @@ def test_truncated_file(tiny_llama, tmp_path):
         "in the first tensor": reader.data_offset + 10,
         "in the last tensor": last.data_offset + last.n_bytes - 1,
     }
-    for where, cut in cuts.items():
+    sweep = {f"at byte {cut}": cut for cut in [*range(4, reader.data_offset, 17), *range(reader.data_offset, len(blob), 4099)]}
+    for where, cut in (cuts | sweep).items():
         cut_path = tmp_path / "cut.gguf"
         cut_path.write_bytes(blob[:cut])
         with pytest.raises(GGUFError, match="truncated or corrupt"):
@@ -537,7 +538,7 @@ def test_big_endian_file_is_rejected(tmp_path):
     sd = {"model.norm.weight": np.ones(HIDDEN, dtype=np.float32)}
     path = write_gguf(tmp_path / "be.gguf", "llama", tiny_meta("llama"), {gguf_name(k): v for k, v in sd.items()},
                       endianess=gguf.GGUFEndian.BIG)  # fmt: skip
-    with pytest.raises(ValueError, match="byte order"):
+    with pytest.raises(ValueError, match="byte-swapped"):
         read_gguf(path)
 
 
@@ -588,7 +589,8 @@ def test_smollm_dequantization_matches_reference_decoders(smollm):
     on_disk = {t.name: t for t in gguf.GGUFReader(SMOLLM).tensors}
     embed = on_disk["token_embd.weight"]
     assert embed.tensor_type == Q.Q8_0
-    np.testing.assert_array_equal(smollm.tensor("model.embed_tokens.weight").numpy(), ref_q8_0(embed.data))
+    rows = slice(0, 49152, 7)
+    np.testing.assert_array_equal(smollm.tensor("model.embed_tokens.weight").numpy()[rows], ref_q8_0(embed.data[rows]))
     for layer in (0, 29):
         for hf, gg, heads in [("mlp.down_proj", "ffn_down", None), ("self_attn.q_proj", "attn_q", 9),
                               ("self_attn.k_proj", "attn_k", 3)]:  # fmt: skip

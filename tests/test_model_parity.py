@@ -161,3 +161,19 @@ def test_config_validation_names_the_fix():
         ModelConfig.from_hf({"model_type": "gpt2", "vocab_size": 1})
     with pytest.raises(ValueError, match="rope_scaling type 'longrope'"):
         ModelConfig(rope_scaling={"rope_type": "longrope", "factor": 2.0})
+
+
+def test_document_ids_isolate_packed_documents():
+    """A packed row of two documents gives each the logits it gets alone (positions restart)."""
+    _, _, ours = make_pair("llama-gqa")
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randint(0, 101, (1, 7), generator=g), torch.randint(0, 101, (1, 5), generator=g)
+    packed = torch.cat([a, b], 1)
+    docs = torch.tensor([[0] * 7 + [1] * 5])
+    pos = torch.tensor([list(range(7)) + list(range(5))])
+    with torch.no_grad():
+        got = ours(packed, pos, document_ids=docs)
+        alone = torch.cat([ours(a), ours(b)], 1)
+        leaky = ours(packed)
+    assert (got - alone).abs().max().item() <= TOL
+    assert (leaky[:, 7:] - alone[:, 7:]).abs().max().item() > 1e-3  # without the mask, b would see a

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from .config import ModelConfig
 from .kv_cache import KVCache
+from .paged_attention import PagedAttentionMetadata, PagedKVCache, paged_attention
 from .rope import RotaryEmbedding, apply_rotary
 
 
@@ -27,7 +29,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
+        # One fused op (and no-op casts in fp32); in bf16 the scaling also happens in fp32.
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -42,10 +45,12 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.softcap = cfg.attn_logit_softcapping
+        self.window = cfg.sliding_window
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: "AttnMask",
-                kv_cache: KVCache | None = None, cache_start: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: "AttnMask | None",
+                kv_cache: KVCache | PagedKVCache | None = None, cache_start: int = 0,
+                paged: PagedAttentionMetadata | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         qkv = self.qkv_proj(x).view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim)
         qk, v = qkv[:, :, :self.n_heads + self.n_kv], qkv[:, :, self.n_heads + self.n_kv:]
@@ -54,23 +59,32 @@ class Attention(nn.Module):
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
         qk = apply_rotary(qk, cos, sin).transpose(1, 2)  # (B, H + H_kv, T, D)
         q, k, v = qk[:, :self.n_heads], qk[:, self.n_heads:], v.transpose(1, 2)
+        if paged is not None:  # engine path: B == 1, the row is all scheduled sequences' new tokens
+            out = paged_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), kv_cache,
+                                  self.layer_idx, paged, self.window, self._attend)
+            return self.o_proj(out.reshape(B, T, self.n_heads * self.head_dim))
         if kv_cache is not None:
             k, v = kv_cache.write(self.layer_idx, cache_start, k, v)  # (B, H_kv, S, D)
-        out = self._attend(q, k, v, mask)
+        causal = mask.causal
+        out = self._attend(q, k, v, mask.tensor, causal)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: "AttnMask") -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                causal: bool = False) -> torch.Tensor:
+        """(B, H, T, D) queries over (B, H_kv, S, D) keys; mask (B|1, 1, T, S) bool, True = attend."""
         if self.softcap is None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.tensor, is_causal=mask.causal,
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                                   scale=self.scale, enable_gqa=self.n_kv != self.n_heads)
         # Soft-capping bends the scores before softmax, which the fused kernel cannot do.
         group = self.n_heads // self.n_kv
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         scores = (q @ k.transpose(-1, -2)).float() * self.scale
         scores = self.softcap * torch.tanh(scores / self.softcap)
-        allowed = mask.materialize(q.shape[2], k.shape[2], q.device)
-        if allowed is not None:
-            scores = scores.masked_fill(~allowed, float("-inf"))
+        if causal:
+            T, S = q.shape[2], k.shape[2]
+            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
         return torch.softmax(scores, dim=-1).to(v.dtype) @ v
 
 
@@ -96,28 +110,27 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask, kv_cache=None, cache_start=0):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache, cache_start)
+    def forward(self, x, cos, sin, mask, kv_cache=None, cache_start=0, paged=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache, cache_start, paged)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class AttnMask:
-    """Which keys each query may see: causal, minus padding, within the sliding window.
+    """Which keys each query may see: causal, minus padding, within the sliding window, same document.
 
     Stays symbolic (`tensor is None`) in the common cases so SDPA can use its fast paths:
     plain causal prefill (`causal=True`) and single-token decode with no padding (no mask at all).
     """
 
     def __init__(self, q_slots: torch.Tensor, num_keys: int, key_mask: torch.Tensor | None,
-                 sliding_window: int | None):
+                 sliding_window: int | None, document_ids: torch.Tensor | None = None):
         self.q_slots, self.num_keys, self.key_mask, self.window = q_slots, num_keys, key_mask, sliding_window
+        self.document_ids = document_ids
         T = q_slots.shape[0]
         window_bites = sliding_window is not None and num_keys > sliding_window
-        self.causal = key_mask is None and not window_bites and T > 1 and T == num_keys
-        if key_mask is None and not window_bites and (T == 1 or self.causal):
-            self.tensor = None
-        else:
-            self.tensor = self.materialize(T, num_keys, q_slots.device)
+        plain = key_mask is None and document_ids is None and not window_bites
+        self.causal = plain and T > 1 and T == num_keys
+        self.tensor = None if plain and (T == 1 or self.causal) else self.materialize(T, num_keys, q_slots.device)
 
     def materialize(self, T: int, S: int, device) -> torch.Tensor | None:
         """(B or 1, 1, T, S) bool; True = may attend."""
@@ -126,6 +139,9 @@ class AttnMask:
         if self.window is not None:
             allowed = allowed & (self.q_slots[:, None] - k_slots[None, :] < self.window)
         allowed = allowed[None, None]
+        if self.document_ids is not None:  # packed training rows: never attend across documents
+            docs = self.document_ids
+            allowed = allowed & (docs[:, None, :, None] == docs[:, None, None, :])
         if self.key_mask is not None:
             allowed = allowed & self.key_mask[:, None, None, :S]
             # A padding query would see no key at all; let it see itself so softmax stays finite.
@@ -144,15 +160,32 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg)
+        self.gradient_checkpointing = False  # recompute each block's activations in backward (saves memory)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, *,
-                      attention_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
+                      attention_mask: torch.Tensor | None = None, kv_cache: KVCache | PagedKVCache | None = None,
+                      document_ids: torch.Tensor | None = None,
+                      attn: PagedAttentionMetadata | None = None) -> torch.Tensor:
         """input_ids (B, T) → final-normed hidden states (B, T, hidden).
 
         positions: (B, T) token positions for RoPE; default: cache offset + arange(T).
         attention_mask: (B, T) 1 for real tokens, 0 for (left) padding.
         kv_cache: a `KVCache`; the new keys/values are appended and attention sees all cached ones.
+        document_ids: (B, T) for packed training rows: tokens attend only within their document
+            (pass positions that restart at each document too).
+        attn: the engine's paged metadata; then input_ids is (1, N) — the new tokens of every scheduled
+            sequence back to back — positions are required and kv_cache is the `PagedKVCache` block pool.
         """
+        if attn is not None:
+            if positions is None or not isinstance(kv_cache, PagedKVCache):
+                raise ValueError("paged attention needs explicit positions and a PagedKVCache")
+            x = self.embed_tokens(input_ids)
+            cos, sin = self.rotary(positions, x.dtype)
+            for layer in self.layers:
+                x = layer(x, cos, sin, None, kv_cache, 0, attn)
+            return self.norm(x)
+        if document_ids is not None and kv_cache is not None:
+            raise ValueError("document_ids is for packed training batches; it cannot be combined with a kv_cache")
         B, T = input_ids.shape
         start = kv_cache.reserve(T, attention_mask) if kv_cache is not None else 0
         if positions is None:
@@ -162,11 +195,14 @@ class Transformer(nn.Module):
         else:
             key_mask = attention_mask.bool() if attention_mask is not None and not attention_mask.all() else None
         q_slots = torch.arange(start, start + T, device=input_ids.device)
-        mask = AttnMask(q_slots, start + T, key_mask, self.cfg.sliding_window)
+        mask = AttnMask(q_slots, start + T, key_mask, self.cfg.sliding_window, document_ids)
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, mask, kv_cache, start)
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, mask, kv_cache, start)
         if kv_cache is not None:
             kv_cache.commit(T)
         return self.norm(x)
@@ -177,10 +213,12 @@ class Transformer(nn.Module):
         return logits if cap is None else cap * torch.tanh(logits / cap)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, *,
-                attention_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None = None, kv_cache: KVCache | PagedKVCache | None = None,
+                document_ids: torch.Tensor | None = None,
+                attn: PagedAttentionMetadata | None = None) -> torch.Tensor:
         """Logits (B, T, vocab) for every position; see `hidden_states` for the arguments."""
         return self.logits(self.hidden_states(input_ids, positions, attention_mask=attention_mask,
-                                              kv_cache=kv_cache))
+                                              kv_cache=kv_cache, document_ids=document_ids, attn=attn))
 
     def new_kv_cache(self, batch_size: int, max_len: int) -> KVCache:
         p = self.embed_tokens.weight

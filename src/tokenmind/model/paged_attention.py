@@ -1,0 +1,115 @@
+"""Attention over a paged KV cache: the engine's view of the same `Attention` module.
+
+The engine flattens every scheduled sequence's new tokens into one row (1, N) and describes
+them with `PagedAttentionMetadata`: where each token's key/value goes (`slot_mapping`, a flat
+index into the block pool) and, per sequence, which blocks hold its context (`block_tables`).
+The model stays ignorant of requests: it writes k/v by slot and reads them back by block table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .config import ModelConfig
+
+
+class PagedKVCache:
+    """The block pool: keys/values of every layer in fixed-size blocks.
+
+    k/v: (layers, num_blocks, block_size, kv_heads, head_dim). Slot s = block * block_size + offset.
+    """
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+    @staticmethod
+    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy-on-write support: duplicate one block's contents in every layer."""
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+
+
+@dataclass
+class PagedAttentionMetadata:
+    """Per-step description of the flattened batch (N new tokens from S sequences).
+
+    slot_mapping: (N,) where each new token's k/v is written.
+    query_start_loc: python list of S+1 offsets into the N tokens.
+    seq_lens: python list of S context lengths *including* this step's tokens.
+    block_tables: (S, max_blocks) int64 block ids, padded with 0.
+    """
+
+    slot_mapping: torch.Tensor
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    block_tables: torch.Tensor
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """(num_blocks, bs, H, D) + block ids → this sequence's first `length` entries as (H, length, D)."""
+    blocks = cache[block_table]  # (nb, bs, H, D)
+    return blocks.reshape(-1, *cache.shape[2:])[:length].transpose(0, 1)
+
+
+def _causal_mask(q_len: int, k_len: int, window: int | None, device) -> torch.Tensor:
+    """Causal (and windowed) mask for queries that are the last q_len of k_len positions."""
+    q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]
+    k_pos = torch.arange(k_len, device=device)[None, :]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed = allowed & (q_pos - k_pos < window)
+    return allowed
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, layer: int,
+                    meta: PagedAttentionMetadata, window: int | None, attend: Callable) -> torch.Tensor:
+    """q (N, H, D), k/v (N, H_kv, D) for the new tokens → attention output (N, H, D).
+
+    `attend(q, k, v, mask)` is the layer's own kernel on (B, H, T, D) tensors, so soft-capping and
+    GQA behave exactly as in the unpaged path. Single-token (decode) sequences run as one padded
+    batch; multi-token (prefill) chunks run one sequence at a time.
+    """
+    k_cache, v_cache = cache.k[layer], cache.v[layer]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v)
+
+    out = torch.empty_like(q)
+    starts, lens = meta.query_start_loc, meta.seq_lens
+    decode = [i for i in range(meta.num_seqs) if starts[i + 1] - starts[i] == 1]
+    if decode:
+        d_lens = torch.tensor([lens[i] for i in decode], device=q.device)
+        longest = int(d_lens.max())
+        tables = meta.block_tables[decode][:, : -(-longest // cache.block_size)]
+        keys = k_cache[tables].flatten(1, 2)[:, :longest].transpose(1, 2)  # (S, H_kv, L, D)
+        vals = v_cache[tables].flatten(1, 2)[:, :longest].transpose(1, 2)
+        k_pos = torch.arange(longest, device=q.device)[None, :]
+        allowed = k_pos < d_lens[:, None]
+        if window is not None:
+            allowed = allowed & (d_lens[:, None] - 1 - k_pos < window)
+        mask = None if bool(allowed.all()) else allowed[:, None, None, :]
+        rows = torch.tensor([starts[i] for i in decode], device=q.device)
+        out[rows] = attend(q[rows][:, :, None], keys, vals, mask)[:, :, 0]
+    for i in range(meta.num_seqs):
+        a, b = starts[i], starts[i + 1]
+        if b - a == 1:
+            continue
+        keys = _gather(k_cache, meta.block_tables[i], lens[i])[None]
+        vals = _gather(v_cache, meta.block_tables[i], lens[i])[None]
+        mask = _causal_mask(b - a, lens[i], window, q.device)
+        out[a:b] = attend(q[a:b].transpose(0, 1)[None], keys, vals, mask)[0].transpose(0, 1)
+    return out
