@@ -160,14 +160,17 @@ def tiny_llama(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_llama_f32_round_trip_is_exact_and_unpermutes_qk(tiny_llama):
-    path, sd = tiny_llama
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_llama_family_f32_round_trip_is_exact_and_unpermutes_qk(tmp_path, arch):
+    sd = tiny_state_dict()
+    path = write_model(tmp_path / "tiny.gguf", arch, sd, meta=tiny_meta(arch))
     on_disk = {t.name: t.data for t in gguf.GGUFReader(path).tensors}
     q = sd["model.layers.0.self_attn.q_proj.weight"]
     assert not np.array_equal(on_disk["blk.0.attn_q.weight"], q)  # the file really is permuted
 
     ckpt = read_gguf(path)
-    loaded = ckpt.load_state_dict()
+    assert ckpt.config["model_type"] == arch
+    loaded = ckpt.load_state_dict(progress=True)
     assert set(loaded) == set(sd)  # tied: no lm_head
     for name, w in sd.items():
         assert loaded[name].dtype == torch.float32
@@ -352,13 +355,26 @@ def test_explicit_add_bos_and_vocab_size_key(tmp_path):
             {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 2.5, "llama.rope.scaling.original_context_length": 256},
             {"rope_type": "yarn", "factor": 2.5, "original_max_position_embeddings": 256},
         ),
+        (
+            {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0, "llama.rope.scaling.original_context_length": 128,
+             "llama.rope.scaling.yarn_beta_fast": 16.0, "llama.rope.scaling.yarn_beta_slow": 2.0},
+            {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 16.0, "beta_slow": 2.0},
+        ),
+        ({"llama.rope.scale_linear": 2.0}, {"rope_type": "linear", "factor": 2.0}),  # pre-rope.scaling.* key
         ({"llama.rope.scaling.type": "none"}, None),
+        ({}, None),
     ],
 )  # fmt: skip
 def test_rope_scaling(tmp_path, extra, expected):
     meta = tiny_meta("llama") | extra
     config = read_gguf(write_model(tmp_path / "r.gguf", "llama", tiny_state_dict(), meta=meta)).config
     assert config.get("rope_scaling") == expected
+
+
+def test_unsupported_rope_scaling(tmp_path):
+    meta = tiny_meta("llama") | {"llama.rope.scaling.type": "longrope", "llama.rope.scaling.factor": 2.0}
+    with pytest.raises(ValueError, match="unsupported RoPE scaling type 'longrope'"):
+        read_gguf(write_model(tmp_path / "r.gguf", "llama", tiny_state_dict(), meta=meta))
 
 
 def test_qwen2_is_not_permuted_and_has_biases(tmp_path):
@@ -393,7 +409,10 @@ def test_qwen3_qk_norms_and_head_dim(tmp_path):
         assert torch.equal(loaded[name], torch.from_numpy(w)), name
 
 
-@pytest.mark.parametrize("arch, kwargs", [("llama", {}), ("qwen2", {"bias": True}), ("qwen3", {"head_dim": 32, "qk_norm": True})])
+@pytest.mark.parametrize(
+    "arch, kwargs",
+    [("llama", {}), ("mistral", {}), ("qwen2", {"bias": True}), ("qwen3", {"head_dim": 32, "qk_norm": True})],
+)
 def test_config_and_weights_build_the_same_transformers_model(tmp_path, arch, kwargs):
     """The config dict must mean to transformers what the GGUF means: same logits as the source model."""
     transformers = pytest.importorskip("transformers")
@@ -401,7 +420,7 @@ def test_config_and_weights_build_the_same_transformers_model(tmp_path, arch, kw
     meta = tiny_meta(arch)
     if arch == "qwen3":
         meta["qwen3.attention.key_length"] = 32
-    ckpt = read_gguf(write_model(tmp_path / "m.gguf", arch, sd, permute=arch == "llama", meta=meta))
+    ckpt = read_gguf(write_model(tmp_path / "m.gguf", arch, sd, permute=arch in ("llama", "mistral"), meta=meta))
     config = transformers.AutoConfig.for_model(**ckpt.config)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     missing, unexpected = model.load_state_dict(ckpt.load_state_dict(), strict=False)
@@ -487,11 +506,12 @@ def test_truncated_file(tiny_llama, tmp_path):
         "in the counts": 16,
         "in the metadata": reader.fields["tokenizer.ggml.tokens"].offset + 40,
         "in the tensor infos": reader.data_offset - 200,
-        "in the alignment padding": reader.data_offset - 1,
+        "just before the tensor data": reader.data_offset - 1,
         "in the first tensor": reader.data_offset + 10,
         "in the last tensor": last.data_offset + last.n_bytes - 1,
     }
-    sweep = {f"at byte {cut}": cut for cut in [*range(4, reader.data_offset, 17), *range(reader.data_offset, len(blob), 4099)]}
+    header_cuts, data_cuts = range(4, reader.data_offset, 17), range(reader.data_offset, len(blob), 4099)
+    sweep = {f"at byte {cut}": cut for cut in [*header_cuts, *data_cuts]}
     for where, cut in (cuts | sweep).items():
         cut_path = tmp_path / "cut.gguf"
         cut_path.write_bytes(blob[:cut])
@@ -586,20 +606,17 @@ def ref_q4_1(raw: np.ndarray) -> np.ndarray:
 
 @needs_smollm
 def test_smollm_dequantization_matches_reference_decoders(smollm):
-    on_disk = {t.name: t for t in gguf.GGUFReader(SMOLLM).tensors}
-    embed = on_disk["token_embd.weight"]
-    assert embed.tensor_type == Q.Q8_0
+    data, qtype, shape = smollm.raw_tensor("model.embed_tokens.weight")
+    assert (qtype, shape, data.shape) == (Q.Q8_0, (49152, 576), (49152, 576 // 32 * 34))
     rows = slice(0, 49152, 7)
-    np.testing.assert_array_equal(smollm.tensor("model.embed_tokens.weight").numpy()[rows], ref_q8_0(embed.data[rows]))
+    np.testing.assert_array_equal(smollm.tensor("model.embed_tokens.weight").numpy()[rows], ref_q8_0(data[rows]))
     for layer in (0, 29):
-        for hf, gg, heads in [("mlp.down_proj", "ffn_down", None), ("self_attn.q_proj", "attn_q", 9),
-                              ("self_attn.k_proj", "attn_k", 3)]:  # fmt: skip
-            t = on_disk[f"blk.{layer}.{gg}.weight"]
-            assert t.tensor_type == Q.Q4_1
-            got = smollm.tensor(f"model.layers.{layer}.{hf}.weight").numpy()
-            assert got.shape == tuple(reversed(t.shape.tolist()))
-            got = got if heads is None else llamacpp_permute(got, heads)  # back to the file's order
-            np.testing.assert_allclose(got, ref_q4_1(t.data), rtol=1e-6, atol=1e-7)
+        for module in ("mlp.down_proj", "mlp.up_proj", "self_attn.v_proj", "self_attn.q_proj", "self_attn.k_proj"):
+            name = f"model.layers.{layer}.{module}.weight"
+            data, qtype, shape = smollm.raw_tensor(name)
+            got = smollm.tensor(name).numpy()
+            assert qtype == Q.Q4_1 and got.shape == shape
+            np.testing.assert_allclose(got, ref_q4_1(data), rtol=1e-6, atol=1e-7, err_msg=name)
 
 
 @pytest.mark.slow

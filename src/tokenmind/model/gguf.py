@@ -18,10 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
-from gguf.gguf_reader import ReaderTensor
+from gguf.gguf_reader import ReaderField, ReaderTensor
 from gguf.quants import dequantize
-
-Q = GGMLQuantizationType
 
 # GGUF `general.architecture` -> (HF model_type, HF class, are q/k rows permuted?). llama.cpp's
 # converter permutes q/k only for the llama family (Mistral GGUFs are written as "llama" too).
@@ -34,7 +32,7 @@ _ARCHITECTURES = {
 
 # The types whose `gguf.quants.dequantize` output tests/test_gguf.py checks against a reference.
 SUPPORTED_QUANT_TYPES = frozenset(
-    {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+    GGMLQuantizationType[name] for name in "F32 F16 BF16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K".split()
 )
 
 _TOP_LEVEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -168,7 +166,7 @@ def _hf_name(gguf_name: str) -> str | None:
     return None if hf is None else f"model.layers.{block}.{hf}.{kind}"
 
 
-def _field_value(f) -> object:
+def _field_value(f: ReaderField) -> object:
     """A metadata value as plain Python. Scalar float32s are rounded to their shortest decimal, so a
     stored 1e-5 reads back as 1e-05 (as in the original config.json), not 9.999999747378752e-06."""
     value = f.contents()
@@ -220,7 +218,7 @@ def _read_tokenizer(meta: dict, path: Path) -> GGUFTokenizer:
         eos_token_id=meta.get(p + "eos_token_id"),
         unk_token_id=meta.get(p + "unknown_token_id"),
         pad_token_id=meta.get(p + "padding_token_id"),
-        # llama.cpp's defaults when the key is absent: SentencePiece vocabularies add BOS.
+        # The usual llama.cpp default when the key is absent: SentencePiece vocabularies add BOS.
         add_bos_token=meta.get(p + "add_bos_token", model == "llama"),
         add_eos_token=meta.get(p + "add_eos_token", False),
         chat_template=meta.get("tokenizer.chat_template"),
@@ -238,8 +236,8 @@ def _rope_scaling(meta: dict, arch: str, path: Path) -> dict | None:
     if kind == "linear":
         return {"rope_type": "linear", "factor": factor}
     if kind == "yarn":
-        key = f"{arch}.rope.scaling.original_context_length"
-        scaling = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": _require(meta, key, path)}
+        original = _require(meta, f"{arch}.rope.scaling.original_context_length", path)
+        scaling = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
         for gguf_key, hf_key in [("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")]:
             if f"{arch}.rope.scaling.{gguf_key}" in meta:
                 scaling[hf_key] = meta[f"{arch}.rope.scaling.{gguf_key}"]
@@ -247,7 +245,9 @@ def _rope_scaling(meta: dict, arch: str, path: Path) -> dict | None:
     raise GGUFError(f"{path}: unsupported RoPE scaling type {kind!r} (supported: linear, yarn)")
 
 
-def _build_config(meta: dict, arch: str, tensor_names: set[str], tokenizer: GGUFTokenizer, path: Path) -> dict:
+def _build_config(
+    meta: dict, arch: str, tensor_names: set[str], tokenizer: GGUFTokenizer, path: Path
+) -> dict:
     def req(key):
         return _require(meta, f"{arch}.{key}", path)
 
@@ -288,7 +288,8 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
     meta = {key: _field_value(f) for key, f in reader.fields.items()}
     arch = _require(meta, "general.architecture", path)
     if arch not in _ARCHITECTURES:
-        raise GGUFError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHITECTURES)}")
+        supported = ", ".join(_ARCHITECTURES)
+        raise GGUFError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {supported}")
 
     tensors = {}
     for t in reader.tensors:
