@@ -9,15 +9,26 @@ import torch
 
 @dataclass
 class SamplingParams:
-    """How to pick each next token. temperature 0 means greedy (argmax)."""
+    """How to pick each next token. temperature 0 means greedy (argmax).
+
+    The penalties, `stop`, `n` and `logprobs` are honoured by the batched engine (`engine/llm.py`);
+    the simple loop in `generate.py` uses temperature, top-k/p, min-p, seed and stop token ids.
+    """
 
     max_tokens: int = 128
     temperature: float = 1.0
     top_k: int = 0  # 0 = off; else keep the k most likely tokens
     top_p: float = 1.0  # nucleus: keep the smallest set with this much probability mass
+    min_p: float = 0.0  # 0 = off; else drop tokens less likely than min_p × the top token's probability
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)  # in addition to the tokenizer's EOS ids
     ignore_eos: bool = False
+    repetition_penalty: float = 1.0  # HF/CTRL: seen (prompt or output) tokens' logits /p if > 0 else *p
+    presence_penalty: float = 0.0  # OpenAI: minus this once for every token already in the output
+    frequency_penalty: float = 0.0  # OpenAI: minus this times how often the token is in the output
+    stop: list[str] = field(default_factory=list)  # stop strings; the text ends before the first one
+    n: int = 1  # completions per prompt (they share the prompt's KV cache blocks)
+    logprobs: int | None = None  # None = off; k = the chosen token's logprob plus the top k alternatives
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -28,6 +39,21 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty; remove the empty string from `stop`")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be None (off) or in [0, 20], got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
@@ -45,7 +71,7 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, then top-p on (B, V) float logits; removed tokens get -inf."""
+    """Temperature, then top-k, top-p and min-p on (B, V) float logits; removed tokens get -inf."""
     logits = logits.float() / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
@@ -57,6 +83,9 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         drop_sorted = (cum - sorted_logits.softmax(-1)) >= params.top_p
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
+    if params.min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), float("-inf"))
     return logits
 
 

@@ -1,0 +1,197 @@
+"""`BlockManager`: the one owner of KV blocks — free list, reference counts and the prefix cache.
+
+Sequences hold block ids in their `block_table`; only this class hands blocks out and takes them
+back, so a block is never freed while a sequence still reads it. Sharing is by reference count:
+siblings of an n > 1 request share all their blocks, and requests whose prompts start the same
+way share the full blocks of that common prefix (prefix caching). A block that would be written
+while shared is first copied (copy-on-write), so no sequence ever changes another's context.
+
+Prefix cache: once all of a full block's tokens have their k/v computed, the block is keyed by a
+hash of its tokens chained with the previous block's key, so equal keys mean equal prefixes.
+Freed blocks keep their key and stay reusable until the pool runs out of uncached free blocks;
+then the least recently freed cached block is evicted (LRU).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Sequence as Seq
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .sequence import Sequence
+
+
+def block_hash(prev: bytes | None, tokens: Seq[int]) -> bytes:
+    """Key of a full block: its tokens and the key of the block before it (128-bit BLAKE2b)."""
+    h = hashlib.blake2b(prev or b"", digest_size=16)
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
+
+
+class BlockManager:
+    """Allocates, shares, copies and frees blocks; the scheduler only asks can_* before acting.
+
+    `copy_block(src, dst)` copies one block's k/v (the `PagedKVCache`'s), used for copy-on-write.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 copy_block: Callable[[int, int], None] | None = None):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.copy_block = copy_block
+        self.ref_counts = [0] * num_blocks
+        self.block_keys: list[bytes | None] = [None] * num_blocks  # content key of full, computed blocks
+        self.cached: dict[bytes, int] = {}  # key → the block that serves it
+        # Blocks with ref count 0, next to be handed out first: uncached ones at the front,
+        # cached ones at the back in the order they were freed (the LRU end is the front).
+        self.free_list: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+        self.num_evictions = 0
+        self.num_copies = 0
+
+    # ----------------------------------------------------------------- metrics
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no sequence holds (cached-but-unused blocks included: they can be evicted)."""
+        return len(self.free_list)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool held by sequences."""
+        return 1.0 - len(self.free_list) / self.num_blocks
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Tokens found in the prefix cache / tokens looked up at allocation."""
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
+    # ----------------------------------------------------------------- admission
+
+    def _num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks equal to the sequence's leading full blocks.
+
+        The block holding the last token is never matched: one token must be computed to give
+        the logits of the next, and that token's block will be written.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        bs, matched, key = self.block_size, [], None
+        for i in range((seq.num_tokens - 1) // bs):
+            key = block_hash(key, seq.token_ids[i * bs:(i + 1) * bs])
+            block = self.cached.get(key)
+            if block is None:
+                break
+            matched.append(block)
+        return matched
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        matched = self._match_prefix(seq)
+        fresh = self._num_blocks_for(seq.num_tokens) - len(matched)
+        revived = sum(self.ref_counts[b] == 0 for b in matched)  # cached blocks that leave the free list
+        return fresh + revived <= len(self.free_list)
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give a waiting sequence blocks for all its tokens; cached prefix blocks count as computed."""
+        if seq.block_table:
+            raise RuntimeError(f"{seq} already holds blocks")
+        matched = self._match_prefix(seq)
+        for block in matched:
+            self._ref(block)
+        fresh = [self._take_free() for _ in range(self._num_blocks_for(seq.num_tokens) - len(matched))]
+        seq.block_table = matched + fresh
+        seq.num_computed_tokens = seq.num_cached_tokens = len(matched) * self.block_size
+        self.num_queried_tokens += seq.num_tokens
+        self.num_hit_tokens += seq.num_cached_tokens
+
+    # ----------------------------------------------------------------- writing
+
+    def _write_needs(self, seq: Sequence, num_new_tokens: int) -> tuple[int, list[int]]:
+        """(blocks to add at the end, table indices of shared blocks the write lands in)."""
+        end = seq.num_computed_tokens + num_new_tokens
+        last = self._num_blocks_for(end)
+        first = seq.num_computed_tokens // self.block_size
+        shared = [i for i in range(first, min(last, len(seq.block_table)))
+                  if self.ref_counts[seq.block_table[i]] > 1]
+        return max(0, last - len(seq.block_table)), shared
+
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether the next `num_new_tokens` of `seq` can get slots (new blocks plus copies)."""
+        new, shared = self._write_needs(seq, num_new_tokens)
+        return new + len(shared) <= len(self.free_list)
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Make the next `num_new_tokens` writable: copy shared blocks they land in, add blocks past the end."""
+        new, shared = self._write_needs(seq, num_new_tokens)
+        for i in shared:
+            src, dst = seq.block_table[i], self._take_free()
+            if self.copy_block is None:
+                raise RuntimeError("copy-on-write needs the KV cache's copy_block")
+            self.copy_block(src, dst)
+            self._deref(src)
+            seq.block_table[i] = dst
+            self.num_copies += 1
+        seq.block_table.extend(self._take_free() for _ in range(new))
+
+    def mark_computed(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Record that a step computed `num_new_tokens` more k/v; key the blocks that became full."""
+        bs, before = self.block_size, seq.num_computed_tokens
+        seq.num_computed_tokens += num_new_tokens
+        if not self.enable_prefix_caching:
+            return
+        for i in range(before // bs, seq.num_computed_tokens // bs):
+            block = seq.block_table[i]
+            if self.block_keys[block] is not None:  # a shared or cache-hit block, keyed already
+                continue
+            prev = self.block_keys[seq.block_table[i - 1]] if i else None
+            key = block_hash(prev, seq.token_ids[i * bs:(i + 1) * bs])
+            self.block_keys[block] = key
+            self.cached.setdefault(key, block)  # a twin computed concurrently keeps serving the key
+
+    # ----------------------------------------------------------------- sharing and release
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Let `child` share every block of `parent` (copy-on-write protects both later)."""
+        child.block_table = list(parent.block_table)
+        for block in child.block_table:
+            self._ref(block)
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's references; its keyed blocks stay cached until evicted."""
+        for block in reversed(seq.block_table):  # the tail goes first, so prefixes outlive suffixes in LRU
+            self._deref(block)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+
+    def _ref(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            del self.free_list[block]
+        self.ref_counts[block] += 1
+
+    def _deref(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block]:
+            return
+        key = self.block_keys[block]
+        self.free_list[block] = None
+        if key is not None and self.cached.get(key) == block:
+            return  # most recently freed: evicted last
+        self.block_keys[block] = None
+        self.free_list.move_to_end(block, last=False)  # nothing to keep: reuse it first
+
+    def _take_free(self) -> int:
+        block, _ = self.free_list.popitem(last=False)
+        key = self.block_keys[block]
+        if key is not None:
+            del self.cached[key]
+            self.block_keys[block] = None
+            self.num_evictions += 1
+        self.ref_counts[block] = 1
+        return block

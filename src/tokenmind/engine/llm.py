@@ -1,0 +1,388 @@
+"""The engine's front: `Engine` (requests in, one step at a time, outputs out) and `LLM` (batch generate).
+
+`Engine.step()` is the whole loop body: schedule → run the model → sample → append tokens, check
+stops, detokenize → report. Everything about a request's *output* lives here: stop token ids and
+EOS, `max_tokens` and the context limit, stop strings on the detokenized text, n > 1 siblings
+(forked from the parent when its prompt is done, so they share its KV blocks), and the deltas a
+streaming consumer needs. Scheduling, blocks, the forward pass and sampling are delegated.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..model.transformer import Transformer
+from ..pretrained import Pretrained, load_pretrained
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .model_runner import ModelRunner
+from .sampler import TokenLogprob, sample_batch
+from .sampling import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence
+
+
+class OutputStream:
+    """One sequence's text: incremental detokenization, stop strings, and what was already reported.
+
+    The stream decoder never yields half a multi-byte character, so stop strings are searched in
+    whole characters. While running, the last `len(longest stop) - 1` characters are held back:
+    they might be the start of a stop string, and reported text is never taken back.
+    """
+
+    def __init__(self, decoder: Any, stop: list[str]):
+        self.decoder, self.stop = decoder, stop
+        self.holdback = max(map(len, stop), default=1) - 1
+        self.text = ""
+        self.stopped = False  # ended by a stop string
+        self.sent_tokens = 0
+        self.sent_chars = 0
+
+    def push(self, token_id: int) -> bool:
+        """Add a token's text; True if a stop string now occurs (the text is cut before it)."""
+        if self.decoder is None:
+            return False
+        piece = self.decoder.push(token_id)
+        start = max(0, len(self.text) - self.holdback)  # a new match must end inside `piece`
+        self.text += piece
+        hits = [i for s in self.stop if (i := self.text.find(s, start)) != -1]
+        if hits:
+            self.text, self.stopped = self.text[:min(hits)], True
+        return self.stopped
+
+    def close(self) -> None:
+        """Release text still held by the decoder (e.g. an incomplete final character)."""
+        if self.decoder is not None and not self.stopped:
+            self.text += self.decoder.flush()
+
+    def visible_text(self, finished: bool) -> str:
+        return self.text if finished else self.text[:max(0, len(self.text) - self.holdback)]
+
+
+@dataclass
+class CompletionOutput:
+    """One of a request's n completions: everything so far, plus what is new since the last report."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None  # "stop", "length", "abort"; None while running
+    logprobs: list[TokenLogprob] | None
+    new_token_ids: list[int]
+    new_text: str
+    ttft_s: float | None  # time to first token
+    tpot_s: float | None  # mean time per output token after the first
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step. The shortcut properties read completion 0 (the only one if n == 1)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int  # prompt tokens served by the prefix cache
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finish_reason is not None for o in self.outputs)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        return self.outputs[0].logprobs
+
+    @property
+    def new_token_ids(self) -> list[int]:
+        return self.outputs[0].new_token_ids
+
+    @property
+    def new_text(self) -> str:
+        return self.outputs[0].new_text
+
+    @property
+    def metrics(self) -> dict[str, float | None]:
+        return {"ttft_s": self.outputs[0].ttft_s, "tpot_s": self.outputs[0].tpot_s}
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of blocks held by sequences
+    prefix_cache_hit_rate: float  # cached prompt tokens / prompt tokens looked up
+    num_generated_tokens: int
+    num_preemptions: int
+    num_steps: int
+    num_blocks: int
+
+
+class Engine:
+    """Continuous-batching generation over a paged KV cache for one model.
+
+    Requests go in with `add_request`; every `step()` advances all of them a little and returns
+    a `RequestOutput` for each request that changed. Not thread-safe: one thread drives it
+    (`AsyncEngine` is the concurrent front).
+    """
+
+    def __init__(self, model: Transformer, tokenizer: Any = None, config: EngineConfig | None = None,
+                 eos_token_ids: Iterable[int] | None = None):
+        self.config = config = config or EngineConfig()
+        weight = model.embed_tokens.weight
+        dtype = config.dtype or weight.dtype
+        device = torch.device(config.device) if config.device else weight.device
+        if (dtype, device) != (weight.dtype, weight.device):
+            model.to(device=device, dtype=dtype)
+        self.model, self.tokenizer = model.eval(), tokenizer
+        if eos_token_ids is None:
+            eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else ()
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_model_len = config.resolve_max_model_len(model.cfg)
+        num_blocks = config.resolve_num_blocks(model.cfg, dtype, device)
+        self.runner = ModelRunner(model, num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                          self.runner.kv_cache.copy_block)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.requests: dict[str, list[Sequence]] = {}  # unfinished requests → their completions
+        self.num_generated_tokens = 0
+        self.num_steps = 0
+        self._next_id = itertools.count()
+
+    # ----------------------------------------------------------------- requests
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt; text is encoded with the model's special tokens (e.g. BOS)."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer; pass prompts as token id lists")
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        return [int(t) for t in prompt]
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request; returns its id. Requests that could never run are rejected here."""
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        request_id = str(next(self._next_id)) if request_id is None else request_id
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already running; use a unique id")
+        if not ids:
+            raise ValueError("the prompt is empty; give at least one token (e.g. the BOS token)")
+        vocab = self.model.cfg.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {min(ids)}..{max(ids)}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}; "
+                             "shorten the prompt")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer to detokenize; use stop_token_ids instead")
+        if params.n > self.scheduler.max_num_seqs:
+            raise ValueError(f"n={params.n} completions cannot run at once with max_num_seqs="
+                             f"{self.scheduler.max_num_seqs}; lower n or raise max_num_seqs")
+        max_len = min(len(ids) + params.max_tokens, self.max_model_len)
+        bs, pool = self.config.block_size, self.block_manager.num_blocks
+        if -(-(max_len - 1) // bs) > pool:  # the last token is sampled, never written
+            raise ValueError(f"a sequence of {max_len} tokens needs {-(-(max_len - 1) // bs)} KV blocks but the pool "
+                             f"has {pool}; lower max_tokens or give the engine more KV cache memory")
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        seq = Sequence(request_id, ids, params, stop_ids, max_len, device=self.runner.device)
+        seq.stream = self._new_stream(params)
+        self.requests[request_id] = [seq]
+        self.scheduler.add(seq)
+        return request_id
+
+    def _new_stream(self, params: SamplingParams) -> OutputStream:
+        decoder = self.tokenizer.stream_decoder(skip_special_tokens=True) if self.tokenizer is not None else None
+        return OutputStream(decoder, params.stop)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; its final output, or None if it is not running."""
+        seqs = self.requests.pop(request_id, None)
+        if seqs is None:
+            return None
+        now = time.perf_counter()
+        for seq in seqs:
+            if not seq.is_finished:
+                self._finish(seq, "abort", now)
+        return self._output(seqs)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage, bm.prefix_hit_rate,
+                           self.num_generated_tokens, self.scheduler.num_preemptions, self.num_steps, bm.num_blocks)
+
+    # ----------------------------------------------------------------- the loop
+
+    def step(self) -> list[RequestOutput]:
+        """Run one forward pass over the scheduled tokens; outputs of the requests that changed."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            if self.requests:
+                raise RuntimeError(f"no request could be scheduled although {len(self.requests)} are unfinished; "
+                                   "this is an engine bug")
+            return []
+        logits, ready = self.runner.run(batch)
+        for seq, n in batch:
+            self.block_manager.mark_computed(seq, n)
+        self.num_steps += 1
+        rows, seqs = [], []
+        for row, seq in enumerate(ready):
+            group = [seq] + self._fork(seq)
+            rows += [row] * len(group)
+            seqs += group
+        if not seqs:  # only mid-prompt chunks this step
+            return []
+        tokens, logprobs = sample_batch(logits[rows], seqs)
+        now = time.perf_counter()
+        for seq, token, logprob in zip(seqs, tokens, logprobs):
+            self._append(seq, token, logprob, now)
+        outputs = []
+        for request_id in dict.fromkeys(seq.request_id for seq in seqs):
+            out = self._output(self.requests[request_id])
+            if out.finished:
+                del self.requests[request_id]
+            outputs.append(out)
+        return outputs
+
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        """Split off the n - 1 siblings of a request whose prompt just finished."""
+        if not seq.pending_forks:
+            return []
+        children = [seq.fork(i) for i in range(1, seq.pending_forks + 1)]
+        for child in children:
+            child.stream = self._new_stream(seq.params)
+        self.scheduler.add_forks(seq, children)
+        self.requests[seq.request_id] += children
+        return children
+
+    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None, now: float) -> None:
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if token in seq.stop_ids:  # like generate(): the stop token is not part of the output
+            self._finish(seq, "stop", now)
+            return
+        seq.append_token(token, logprob)
+        self.num_generated_tokens += 1
+        if seq.stream.push(token):
+            self._finish(seq, "stop", now)
+        elif seq.num_tokens >= seq.max_len:
+            self._finish(seq, "length", now)
+
+    def _finish(self, seq: Sequence, reason: str, now: float) -> None:
+        seq.finish_reason, seq.finish_time = reason, now
+        seq.stream.close()
+        self.scheduler.finish(seq)
+
+    def _output(self, seqs: list[Sequence]) -> RequestOutput:
+        """A snapshot of a request; the `new_*` fields hold what changed since the previous snapshot."""
+        completions = []
+        for seq in seqs:
+            stream, ids = seq.stream, seq.output_ids
+            text = stream.visible_text(seq.is_finished)
+            logprobs = list(seq.logprobs) if seq.params.logprobs is not None else None
+            completions.append(CompletionOutput(seq.index, ids, text, seq.finish_reason, logprobs,
+                                                new_token_ids=ids[stream.sent_tokens:],
+                                                new_text=text[stream.sent_chars:], ttft_s=seq.ttft_s,
+                                                tpot_s=seq.tpot_s))
+            stream.sent_tokens, stream.sent_chars = len(ids), len(text)
+        head = seqs[0]
+        return RequestOutput(head.request_id, head.token_ids[:head.num_prompt_tokens], completions,
+                             head.num_cached_tokens)
+
+
+class LLM:
+    """Offline batch generation: `LLM("smollm2").generate(prompts, params)`.
+
+    `engine_options` are `EngineConfig` fields (block_size, kv_cache_bytes, max_num_seqs, dtype, ...).
+    """
+
+    def __init__(self, model: str | Path | Pretrained, **engine_options: Any):
+        config = EngineConfig(**engine_options)
+        if not isinstance(model, Pretrained):
+            model = load_pretrained(model, dtype=config.dtype or torch.float32)
+        self.pretrained, self.tokenizer = model, model.tokenizer
+        self.engine = Engine(model.model, model.tokenizer, config)
+
+    def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None,
+                 progress: bool | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (text, or token ids) and return the outputs in prompt order.
+
+        `progress`: a progress bar on stderr; None = only for several prompts on a terminal.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; give one or one each")
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params_list):
+                ids.append(self.engine.add_request(prompt, p))
+        except Exception:
+            for request_id in ids:
+                self.engine.abort(request_id)
+            raise
+        if progress is None:
+            progress = len(prompts) > 1 and sys.stderr.isatty()
+        finals: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        with _Progress(len(prompts), progress, self.engine) as bar:
+            while len(finals) < len(ids):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        finals[out.request_id] = out
+                        bar.advance()
+        return [finals[i] for i in ids]
+
+
+class _Progress:
+    """A rich progress bar over finished requests with the generation rate, or nothing when disabled."""
+
+    def __init__(self, total: int, enabled: bool, engine: Engine):
+        self.bar, self.engine = None, engine
+        self.start, self.tokens0 = time.perf_counter(), engine.num_generated_tokens
+        if enabled:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                TextColumn("{task.fields[rate]}"), console=Console(stderr=True))
+            self.task = self.bar.add_task("generate", total=total, rate="")
+
+    def __enter__(self) -> _Progress:
+        if self.bar is not None:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+    def advance(self) -> None:
+        if self.bar is not None:
+            tokens = self.engine.num_generated_tokens - self.tokens0
+            rate = tokens / max(time.perf_counter() - self.start, 1e-9)
+            self.bar.update(self.task, advance=1, rate=f"{rate:.1f} tok/s")

@@ -1,0 +1,104 @@
+"""Batched sampling: one row of logits per sequence, each row under its own `SamplingParams`.
+
+Order per row: penalties (they change what the model "thinks", so logprobs see them) → greedy
+argmax, or temperature → top-k → top-p → min-p → a draw from the row's own generator. Drawing
+row by row with each sequence's generator is what makes a seeded request give the same text
+whichever other requests share the batch.
+
+Logprobs are the log-softmax of the penalized logits *before* temperature and filtering: they
+describe the model's distribution, not the sampling recipe, so they stay comparable across
+temperatures and match a plain forward pass when no penalty is set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from .sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from .sequence import Sequence
+
+
+@dataclass
+class TokenLogprob:
+    """The chosen token's logprob and the `k` most likely tokens at that position, best first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """(S, V) logits with each row's repetition / presence / frequency penalties applied (a copy if any).
+
+    repetition (HF): every token seen in prompt or output has its logit divided by p if positive,
+    multiplied by p if not. presence / frequency (OpenAI): logit -= presence * [count > 0] +
+    frequency * count, counting the generated tokens only.
+    """
+    rows = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0 or s.params.presence_penalty
+            or s.params.frequency_penalty]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    V = logits.shape[-1]
+    for i in rows:
+        p, seq = seqs[i].params, seqs[i]
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(seq.token_ids)), device=logits.device)
+            vals = logits[i, seen]
+            logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
+            counts = torch.bincount(torch.tensor(seq.output_ids, device=logits.device), minlength=V).to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def filter_batch(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p for (R, V) logits with per-row settings; dropped → -inf.
+
+    The batched form of `sampling.filter_logits` (same definitions, one sort for all rows).
+    """
+    R, V = logits.shape
+    dev = logits.device
+    logits = logits.float() / torch.tensor([p.temperature for p in params], device=dev)[:, None]
+    top_p = torch.tensor([p.top_p for p in params], device=dev)[:, None]
+    if any(p.top_k for p in params) or bool((top_p < 1).any()):
+        sorted_logits, order = logits.sort(-1, descending=True)
+        k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params], device=dev)[:, None]
+        kth = sorted_logits.gather(-1, k - 1)
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))  # ties with the kth stay
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the mass before it already reaches top_p (the top token always stays).
+        drop = ((probs.cumsum(-1) - probs) >= top_p) & (top_p < 1)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    min_p = torch.tensor([p.min_p for p in params], device=dev)[:, None]
+    if bool((min_p > 0).any()):
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
+    return logits
+
+
+def sample_batch(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
+    """Pick the next token of each sequence from its row of (S, V) logits; also its logprobs if asked."""
+    logits = apply_penalties(logits.float(), seqs)
+    tokens = logits.argmax(-1)
+    sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    if sampled:
+        probs = filter_batch(logits[sampled], [seqs[i].params for i in sampled]).softmax(-1)
+        for j, i in enumerate(sampled):
+            tokens[i] = torch.multinomial(probs[j:j + 1], 1, generator=seqs[i].generator)[0, 0]
+    token_list = tokens.tolist()
+    logprobs: list[TokenLogprob | None] = [None] * len(seqs)
+    wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    if wanted:
+        logp = logits[wanted].log_softmax(-1)
+        for j, i in enumerate(wanted):
+            top_vals, top_ids = logp[j].topk(seqs[i].params.logprobs)
+            logprobs[i] = TokenLogprob(token_list[i], float(logp[j, token_list[i]]),
+                                       list(zip(top_ids.tolist(), top_vals.tolist())))
+    return token_list, logprobs

@@ -1,0 +1,111 @@
+"""`Sequence`: one prompt and the tokens generated after it, as the engine tracks them.
+
+The scheduler and block manager only ever look at three numbers of a sequence: how many tokens
+it has, how many of those already have their keys/values in the cache (`num_computed_tokens`), and
+which blocks hold them (`block_table`). The difference of the first two is the work of its next
+step: a whole prompt (or a chunk of it), a single decode token, or everything again after a
+preemption. Its own `torch.Generator` makes a seeded request reproducible whatever else runs.
+"""
+
+from __future__ import annotations
+
+import time
+from enum import Enum, auto
+from typing import Any
+
+import torch
+
+from .sampler import TokenLogprob
+from .sampling import SamplingParams, make_generator
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()  # queued: no blocks (new, or preempted and to be recomputed)
+    RUNNING = auto()  # holds blocks; computes its pending tokens when scheduled
+    FINISHED = auto()
+
+
+class Sequence:
+    """A prompt plus its output tokens, with its cache state and per-request sampling state.
+
+    `token_ids` is prompt + output. The last token is always pending (its k/v is computed in the
+    step that samples after it), so a running sequence has `num_computed_tokens < num_tokens`.
+    `pending_forks` counts the siblings still to be split off when the prompt is done (n > 1).
+    """
+
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, stop_ids: set[int],
+                 max_len: int, index: int = 0, device: torch.device | str = "cpu",
+                 arrival_time: float | None = None):
+        self.request_id, self.index, self.params = request_id, index, params
+        self.token_ids = list(prompt_ids)
+        self.num_prompt_tokens = len(prompt_ids)
+        self.stop_ids = stop_ids  # EOS (unless ignore_eos) and the params' stop token ids
+        self.max_len = max_len  # prompt + output never exceed this (max_tokens, context)
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at the last allocation
+        seed = None if params.seed is None else params.seed + index
+        self.generator = make_generator(seed, device)
+        self.pending_forks = params.n - 1 if index == 0 else 0
+        self.logprobs: list[TokenLogprob] = []
+        self.finish_reason: str | None = None
+        self.stream: Any = None  # the engine's output state: detokenizer, stop strings, what was reported
+        self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id}#{self.index}, {self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={self.block_table})")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens whose k/v the next step must compute."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
+        self.token_ids.append(token_id)
+        if logprob is not None:
+            self.logprobs.append(logprob)
+
+    def fork(self, index: int) -> Sequence:
+        """A sibling for completion `index` of the same request, sharing everything computed so far.
+
+        Its generator is seeded with seed + index, so n seeded completions differ yet reproduce.
+        Blocks are not copied here: the block manager adds the references.
+        """
+        child = Sequence(self.request_id, self.token_ids, self.params, self.stop_ids, self.max_len, index,
+                         self.generator.device, self.arrival_time)
+        child.num_prompt_tokens = self.num_prompt_tokens
+        child.num_computed_tokens, child.num_cached_tokens = self.num_computed_tokens, self.num_cached_tokens
+        child.status = self.status
+        return child
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Time to first token, from arrival."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first."""
+        if self.first_token_time is None or self.finish_time is None or self.num_output_tokens < 2:
+            return None
+        return (self.finish_time - self.first_token_time) / (self.num_output_tokens - 1)

@@ -1,0 +1,166 @@
+"""AsyncEngine: concurrent streams, abort (explicit, by leaving the loop, by cancelling), shutdown."""
+
+import asyncio
+
+import pytest
+from test_engine_llm import ByteTokenizer, ScriptedModel, tiny_model
+
+from tokenmind.engine.async_engine import AsyncEngine
+from tokenmind.engine.config import EngineConfig
+from tokenmind.engine.generate import generate
+from tokenmind.engine.llm import Engine
+from tokenmind.engine.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+async def collect(stream):
+    outs = [out async for out in stream]
+    return outs
+
+
+async def wait_idle(engine, timeout=5.0):
+    """Until the engine thread has nothing left to run."""
+    for _ in range(int(timeout / 0.01)):
+        stats = await engine.stats()
+        if stats.num_running == stats.num_waiting == 0:
+            return stats
+        await asyncio.sleep(0.01)
+    raise AssertionError("the engine did not go idle")
+
+
+def test_concurrent_streams_match_generate(model):
+    prompts = [[1, 2, 3], list(range(10, 27)), [5, 9]]
+
+    async def main():
+        engine = AsyncEngine(Engine(model, config=EngineConfig(block_size=4)))
+        results = await asyncio.gather(*(collect(engine.generate(p, GREEDY, f"r{i}")) for i, p in enumerate(prompts)))
+        stats = await engine.stats()
+        await engine.shutdown()
+        return results, stats
+
+    results, stats = asyncio.run(main())
+    for prompt, outs in zip(prompts, results):
+        ref = generate(model, prompt, GREEDY).token_ids
+        assert [t for o in outs for t in o.new_token_ids] == ref  # the deltas add up
+        assert outs[-1].token_ids == ref and outs[-1].finished and not any(o.finished for o in outs[:-1])
+    assert stats.num_steps < 3 * GREEDY.max_tokens  # they ran in the same batches
+    assert stats.kv_cache_usage == 0.0
+
+
+def test_text_deltas_stream():
+    text = "Grüße, 世界!"
+    engine_ = Engine(ScriptedModel(text.encode()), ByteTokenizer(), EngineConfig(block_size=4))
+
+    async def main():
+        engine = AsyncEngine(engine_)
+        outs = await collect(engine.generate([0], SamplingParams(max_tokens=64, temperature=0)))
+        await engine.shutdown()
+        return outs
+
+    outs = asyncio.run(main())
+    assert "".join(o.new_text for o in outs) == text and outs[-1].text == text
+    assert outs[-1].finish_reason == "stop"
+
+
+def test_abort_ends_the_stream_and_frees_blocks(model):
+    async def main():
+        engine = AsyncEngine(Engine(model, config=EngineConfig(block_size=4)))
+        long = SamplingParams(max_tokens=40, temperature=0)
+        seen = []
+        async for out in engine.generate([1, 2, 3], long, "victim"):
+            seen.append(out)
+            if len(seen) == 2:
+                await engine.abort("victim")
+        stats = await wait_idle(engine)
+        await engine.shutdown()
+        return seen, stats
+
+    seen, stats = asyncio.run(main())
+    assert seen[-1].finish_reason == "abort" and len(seen[-1].token_ids) < 40
+    assert stats.kv_cache_usage == 0.0
+
+
+@pytest.mark.parametrize("how", ["break", "cancel"])
+def test_a_consumer_that_goes_away_aborts_its_request(model, how):
+    async def main():
+        engine = AsyncEngine(Engine(model, config=EngineConfig(block_size=4)))
+        long = SamplingParams(max_tokens=40, temperature=0)
+        if how == "break":
+            stream = engine.generate([1, 2, 3], long)
+            async for _ in stream:
+                break
+            await stream.aclose()
+        else:
+            started = asyncio.Event()
+
+            async def consume():
+                async for _ in engine.generate([1, 2, 3], long):
+                    started.set()
+
+            task = asyncio.create_task(consume())
+            await started.wait()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        stats = await wait_idle(engine)
+        await engine.shutdown()
+        return stats
+
+    stats = asyncio.run(main())
+    assert stats.kv_cache_usage == 0.0 and stats.num_generated_tokens < 40
+
+
+def test_shutdown_aborts_running_streams_and_refuses_new_ones(model):
+    async def main():
+        engine = AsyncEngine(Engine(model, config=EngineConfig(block_size=4)))
+        stream = engine.generate([4, 5], SamplingParams(max_tokens=40, temperature=0))
+        first = await stream.__anext__()
+        await engine.shutdown()
+        rest = [out async for out in stream]
+        with pytest.raises(RuntimeError, match="shut down"):
+            await engine.generate([1], GREEDY).__anext__()
+        return first, rest, engine
+
+    first, rest, engine = asyncio.run(main())
+    assert not first.finished and rest[-1].finish_reason == "abort"
+    assert not engine._thread.is_alive()
+    bm = engine.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_bad_requests_raise_in_the_caller(model):
+    async def main():
+        engine = AsyncEngine(Engine(model, config=EngineConfig(block_size=4)))
+        try:
+            with pytest.raises(ValueError, match="prompt is empty"):
+                await engine.generate([], GREEDY).__anext__()
+            outs = await collect(engine.generate([1], SamplingParams(max_tokens=2, temperature=0)))
+        finally:
+            await engine.shutdown()
+        return outs
+
+    assert len(asyncio.run(main())[-1].token_ids) == 2
+
+
+def test_a_failing_step_fails_every_stream(model):
+    engine_ = Engine(model, config=EngineConfig(block_size=4))
+
+    def broken():
+        raise RuntimeError("boom")
+
+    async def main():
+        engine = AsyncEngine(engine_)
+        engine_.runner.run = lambda batch: broken()
+        with pytest.raises(RuntimeError, match="boom"):
+            await collect(engine.generate([1, 2], GREEDY))
+        with pytest.raises(RuntimeError, match="failed"):
+            await engine.generate([1, 2], GREEDY).__anext__()
+        await engine.shutdown()
+
+    asyncio.run(main())  # no hang: the error reached the stream and the next caller
