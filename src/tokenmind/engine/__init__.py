@@ -1,1 +1,2 @@
-"""Generation: sampling, the simple KV-cache loop, and (later) the paged, batched engine."""
+"""Generation: sampling, the simple KV-cache loop (`generate`), and the paged, continuously batched
+engine (`LLM` offline, `AsyncEngine` for serving)."""
