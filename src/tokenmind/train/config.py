@@ -1,0 +1,317 @@
+"""The pre-training run configuration: one typed dataclass per concern, YAML in, YAML out.
+
+A run is described by five sections — `model` (the `ModelConfig` itself, so a run and the
+exported checkpoint agree by construction), `data`, `optim`, `schedule` and `train` — loaded
+from a YAML file and then patched by `section.key=value` overrides from the command line.
+Values are parsed with `yaml.safe_load` and then coerced to the field's declared type, because
+YAML 1.1 reads `1e-3` as a string and `1e12` as a string too; coercing by the annotation makes
+`--optim.lr=1e-3` do what everyone means. Unknown names fail loudly and list the valid ones:
+a typo must never silently train with the default. The resolved config is written next to
+the run's outputs so a run can be reproduced from its folder alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+from tokenmind.model.config import ModelConfig
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _choice(section: str, name: str, value: str, choices: tuple[str, ...]) -> None:
+    _check(value in choices, f"{section}.{name}={value!r} is not one of {', '.join(choices)}")
+
+
+@dataclass
+class DataSection:
+    """Where the tokens come from and how they are cut into batches.
+
+    shards: a folder written by `ShardWriter` (`train` split required, `val` used when present).
+    batch_size: rows per micro-batch on each rank. One optimizer step sees
+        batch_size × train.grad_accum × world_size rows (the global batch).
+    seq_len: tokens per row. shuffle/seed: the loader's seeded row permutation.
+    """
+
+    shards: str = ""
+    batch_size: int = 8
+    seq_len: int = 512
+    seed: int = 0
+    shuffle: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self.batch_size >= 1, f"data.batch_size must be >= 1, got {self.batch_size}")
+        _check(self.seq_len >= 1, f"data.seq_len must be >= 1, got {self.seq_len}")
+
+
+@dataclass
+class OptimSection:
+    """The optimizer. `adamw`: decoupled weight decay on hidden/output matrices only.
+    `muon`: Newton–Schulz-orthogonalized momentum for the 2-D matrices inside the blocks, with
+    AdamW (lr, betas, eps, weight_decay) for embeddings, the LM head, norms and biases.
+
+    grad_clip: clip the global gradient norm to this value (0 = no clipping; the norm is still
+    measured and logged). muon_lr/muon_momentum/muon_weight_decay/muon_ns_steps: Muon's own
+    settings (Keller Jordan's defaults; weight decay off, as its update scale differs from Adam's).
+    """
+
+    name: str = "adamw"
+    lr: float = 3e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.0
+    muon_ns_steps: int = 5
+
+    def __post_init__(self) -> None:
+        _choice("optim", "name", self.name, ("adamw", "muon"))
+        for name in ("lr", "eps", "muon_lr"):
+            value = getattr(self, name)
+            _check(math.isfinite(value) and value > 0, f"optim.{name} must be a finite number > 0, got {value}")
+        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+               f"optim.betas must be two numbers in [0, 1), got {self.betas}")
+        _check(0 <= self.muon_momentum < 1, f"optim.muon_momentum must be in [0, 1), got {self.muon_momentum}")
+        for name in ("weight_decay", "muon_weight_decay", "grad_clip"):
+            _check(getattr(self, name) >= 0, f"optim.{name} must be >= 0, got {getattr(self, name)}")
+        _check(self.muon_ns_steps >= 1, f"optim.muon_ns_steps must be >= 1, got {self.muon_ns_steps}")
+
+
+@dataclass
+class ScheduleSection:
+    """The learning-rate multiplier over training (it scales every parameter group's lr).
+
+    cosine: linear warmup, then cosine decay to min_lr_ratio at the last step.
+    wsd: warmup, stable at 1, then linear decay to min_lr_ratio over the last decay_fraction
+        of the steps (warmup-stable-decay: the stable phase can be extended or branched).
+    constant: warmup, then 1.
+    """
+
+    name: str = "cosine"
+    warmup_steps: int = 100
+    decay_fraction: float = 0.2
+    min_lr_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        _choice("schedule", "name", self.name, ("cosine", "wsd", "constant"))
+        _check(self.warmup_steps >= 0, f"schedule.warmup_steps must be >= 0, got {self.warmup_steps}")
+        _check(0 < self.decay_fraction <= 1, f"schedule.decay_fraction must be in (0, 1], got {self.decay_fraction}")
+        _check(0 <= self.min_lr_ratio <= 1, f"schedule.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+
+@dataclass
+class TrainSection:
+    """The loop, precision, checkpoints, logging and parallelism.
+
+    precision: fp32, or bf16 autocast (matmuls in bf16, parameters, gradients and optimizer
+        state stay fp32: the fp32 copy is the master weights).
+    eval_every/checkpoint_every: in optimizer steps; 0 = only at the end. keep_last: checkpoints
+        kept on disk (0 = all). log_every: steps between JSONL lines / console updates.
+    peak_flops: the hardware peak MFU divides by, per device. None picks the measured peak for
+        the precision: on this project's 2-core CPU a 1024³ matmul runs ~1.0e12 FLOP/s in bf16
+        (AMX) and ~9e10 in fp32; on H100/H200, the dense datasheet peaks (989e12 bf16).
+    resume: continue from the newest checkpoint in out_dir if there is one.
+    distributed: none, ddp or fsdp (FSDP2); ddp/fsdp need the torchrun environment.
+    device: auto (cuda when available, else cpu), cpu or cuda.
+    """
+
+    steps: int = 1000
+    grad_accum: int = 1
+    precision: str = "bf16"
+    gradient_checkpointing: bool = False
+    compile: bool = False
+    eval_every: int = 0
+    eval_batches: int = 8
+    checkpoint_every: int = 0
+    keep_last: int = 2
+    log_every: int = 1
+    out_dir: str = "runs/pretrain"
+    seed: int = 0
+    init_std: float = 0.02
+    peak_flops: float | None = None
+    resume: bool = True
+    distributed: str = "none"
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        _choice("train", "precision", self.precision, ("fp32", "bf16"))
+        _choice("train", "distributed", self.distributed, ("none", "ddp", "fsdp"))
+        _choice("train", "device", self.device, ("auto", "cpu", "cuda"))
+        for name in ("steps", "grad_accum", "log_every", "eval_batches"):
+            _check(getattr(self, name) >= 1, f"train.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("eval_every", "checkpoint_every", "keep_last"):
+            _check(getattr(self, name) >= 0, f"train.{name} must be >= 0 (0 = off/all), got {getattr(self, name)}")
+        _check(self.init_std > 0, f"train.init_std must be > 0, got {self.init_std}")
+        _check(self.peak_flops is None or self.peak_flops > 0,
+               f"train.peak_flops must be > 0 or null (auto), got {self.peak_flops}")
+
+
+@dataclass
+class RunConfig:
+    """A whole pre-training run; checks the constraints that span sections."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataSection = field(default_factory=DataSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    schedule: ScheduleSection = field(default_factory=ScheduleSection)
+    train: TrainSection = field(default_factory=TrainSection)
+
+    def __post_init__(self) -> None:
+        _check(self.data.seq_len <= self.model.max_position_embeddings,
+               f"data.seq_len={self.data.seq_len} exceeds model.max_position_embeddings="
+               f"{self.model.max_position_embeddings}; shorten data.seq_len or raise max_position_embeddings")
+        _check(self.schedule.warmup_steps <= self.train.steps,
+               f"schedule.warmup_steps={self.schedule.warmup_steps} exceeds train.steps={self.train.steps}; "
+               "lower --schedule.warmup_steps")
+        if self.schedule.name == "wsd":
+            decay = round(self.schedule.decay_fraction * self.train.steps)
+            _check(self.schedule.warmup_steps + decay <= self.train.steps,
+                   f"WSD warmup ({self.schedule.warmup_steps}) + decay ({decay}) steps exceed train.steps="
+                   f"{self.train.steps}; lower schedule.warmup_steps or schedule.decay_fraction")
+
+
+SECTIONS: dict[str, type] = get_type_hints(RunConfig)
+
+
+def _coerce(value: Any, annotation: Any, where: str) -> Any:
+    """`value` (from YAML) as the annotated type, or a ValueError that says what was expected."""
+    origin = get_origin(annotation)
+    if origin in (Union, types.UnionType):
+        options = get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        for option in options:
+            if option is not type(None):
+                try:
+                    return _coerce(value, option, where)
+                except ValueError:
+                    pass
+        raise ValueError(f"{where}: {value!r} is not a valid {annotation}")
+    if annotation is Any:
+        return value
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+    elif annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif annotation is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)  # a folder named 2024 is still a path
+    elif origin is tuple and isinstance(value, (list, tuple)):
+        items = get_args(annotation)
+        if len(items) == len(value):
+            return tuple(_coerce(v, t, where) for v, t in zip(value, items))
+    elif origin is dict and isinstance(value, dict):
+        return value
+    raise ValueError(f"{where}: expected {getattr(annotation, '__name__', annotation)}, got {value!r}")
+
+
+def _unknown(kind: str, name: str, valid: list[str]) -> ValueError:
+    close = difflib.get_close_matches(name, valid, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ValueError(f"unknown {kind} {name!r}{hint}; valid: {', '.join(valid)}")
+
+
+def _build_section(name: str, values: dict[str, Any]) -> Any:
+    cls = SECTIONS[name]
+    hints = get_type_hints(cls)
+    fields = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in values.items():
+        if key not in fields:
+            raise _unknown(f"key in section {name!r}", key, fields)
+        kwargs[key] = _coerce(value, hints[key], f"{name}.{key}")
+    return cls(**kwargs)
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[str, str, Any]]:
+    """`["--optim.lr=1e-3", "train.steps", "20"]` → `[("optim", "lr", "1e-3"), ("train", "steps", 20)]`.
+
+    Accepts `section.key=value` with or without leading dashes, or the value as the next item.
+    """
+    parsed, i = [], 0
+    while i < len(overrides):
+        item = overrides[i].lstrip("-")
+        if "=" in item:
+            path, text = item.split("=", 1)
+        elif i + 1 < len(overrides):
+            path, text = item, overrides[i + 1]
+            i += 1
+        else:
+            raise ValueError(f"override {overrides[i]!r} has no value; write --section.key=value")
+        i += 1
+        if path.count(".") != 1:
+            raise ValueError(f"override {path!r} must be section.key (sections: {', '.join(SECTIONS)}); "
+                             "give a whole mapping as YAML, e.g. model.rope_scaling='{rope_type: linear, factor: 2}'")
+        section, key = path.split(".")
+        parsed.append((section, key, yaml.safe_load(text)))
+    return parsed
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Defaults ← YAML file (if given) ← overrides, validated; every error names the fix."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ValueError(f"{path} must be a YAML mapping of sections ({', '.join(SECTIONS)})")
+        raw = loaded or {}
+    for section, values in raw.items():
+        if section not in SECTIONS:
+            raise _unknown("config section", section, list(SECTIONS))
+        if values is not None and not isinstance(values, dict):
+            raise ValueError(f"section {section!r} in {path} must be a mapping of key: value")
+    raw = {section: dict(values or {}) for section, values in raw.items()}
+    for section, key, value in parse_overrides(list(overrides)):
+        if section not in SECTIONS:
+            raise _unknown("config section", section, list(SECTIONS))
+        raw.setdefault(section, {})[key] = value
+    return RunConfig(**{name: _build_section(name, raw.get(name, {})) for name in SECTIONS})
+
+
+def config_dict(cfg: RunConfig) -> dict[str, Any]:
+    """Plain YAML/JSON-friendly dict of the whole config (tuples become lists)."""
+    def plain(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return value
+
+    return plain(dataclasses.asdict(cfg))
+
+
+def save_resolved(cfg: RunConfig, path: str | Path) -> Path:
+    """Write the fully resolved config as YAML; `load_config(path)` gives the same config back."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(yaml.safe_dump(config_dict(cfg), sort_keys=False), encoding="utf-8")
+    tmp.replace(path)
+    return path

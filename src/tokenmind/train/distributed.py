@@ -1,0 +1,172 @@
+"""Data parallelism on `torch.distributed`: process group, model wrapping, gathered state.
+
+The trainer is written once for N ranks and this module makes N = 1 the same code path: a
+`DistContext` with world_size 1 turns every collective into a no-op. Two strategies:
+
+* ddp: every rank holds the whole model; `DistributedDataParallel` averages gradients with
+  an all-reduce during backward. Simple and fastest while the model fits on one device.
+* fsdp: FSDP2 (`torch.distributed.fsdp.fully_shard`): each block's parameters, gradients and
+  optimizer state are sharded across ranks and all-gathered just in time for its forward and
+  backward; memory per rank falls ~N-fold. Parameters become `DTensor`s.
+
+Either way the optimizer sees the average gradient of the global batch, so N ranks with B/N
+rows each follow the single-process loss curve of batch B. Checkpoints hold *full* (unsharded)
+state with plain parameter names, gathered through `torch.distributed.checkpoint.state_dict`,
+so a run saved under ddp can resume under fsdp and back (at the same world size: the
+data-loader position is per rank). torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT) drives initialization; gloo serves CPU and nccl CUDA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+
+@dataclass
+class DistContext:
+    """Who this process is. owns_group: we created the process group, so we destroy it."""
+
+    strategy: str
+    device: torch.device
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    owns_group: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 alone writes logs, shared checkpoint files and the exported model."""
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    def mean(self, value: torch.Tensor) -> torch.Tensor:
+        """The average of `value` over ranks (gloo has no AVG op, so SUM / N)."""
+        if self.world_size == 1:
+            return value
+        value = value.detach().clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        return value / self.world_size
+
+    def close(self) -> None:
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self.owns_group = False
+
+
+def resolve_device(preference: str, local_rank: int = 0) -> torch.device:
+    """auto → this rank's GPU when CUDA is available, else CPU."""
+    if preference == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("train.device=cuda but CUDA is not available; use --train.device=cpu or auto")
+    if preference == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank)
+
+
+def init_distributed(strategy: str, device_preference: str = "auto") -> DistContext:
+    """Join (or create) the process group torchrun describes; a plain context for strategy none."""
+    env_world = int(os.environ.get("WORLD_SIZE", "1"))
+    if strategy == "none":
+        if env_world > 1:
+            raise RuntimeError(f"started as {env_world} processes but train.distributed=none; "
+                               "set --train.distributed=ddp or fsdp")
+        return DistContext(strategy, resolve_device(device_preference))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = resolve_device(device_preference, local_rank)
+    owns = False
+    if not dist.is_initialized():
+        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if missing:
+            raise RuntimeError(f"train.distributed={strategy} needs the torchrun environment (missing "
+                               f"{', '.join(missing)}); launch with `torchrun --nproc_per_node=N ...` "
+                               "or set --train.distributed=none")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        owns = True
+    return DistContext(strategy, device, dist.get_rank(), dist.get_world_size(), local_rank, owns)
+
+
+def wrap_model(model: nn.Module, ctx: DistContext) -> nn.Module:
+    """Shard `model` in place (fsdp) or wrap it (ddp); returns the module to call for training.
+
+    FSDP2 shards each block separately (so only one block is unsharded at a time), then the
+    root, which keeps the embeddings, final norm and LM head.
+    """
+    if ctx.strategy == "fsdp":
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        return model
+    if ctx.strategy == "ddp":
+        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids)
+    return model
+
+
+@contextlib.contextmanager
+def grad_sync(wrapped: nn.Module, enabled: bool) -> Iterator[None]:
+    """Skip the gradient all-reduce / reduce-scatter for all but the last micro-batch of an
+    accumulated step; gradients accumulate locally and are synchronized once."""
+    if isinstance(wrapped, DistributedDataParallel) and not enabled:
+        with wrapped.no_sync():
+            yield
+        return
+    if isinstance(wrapped, FSDPModule):
+        wrapped.set_requires_gradient_sync(enabled)
+    yield
+
+
+def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip to `max_norm` (0 = measure only); returns the global pre-clip norm on every rank."""
+    norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm if max_norm > 0 else float("inf"))
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def _options(ctx: DistContext, loading: bool) -> StateDictOptions:
+    if ctx.strategy != "fsdp":
+        return StateDictOptions()
+    # Full, unsharded tensors on rank 0's CPU; on load rank 0 reads and broadcasts the shards.
+    return StateDictOptions(full_state_dict=True, cpu_offload=not loading, broadcast_from_rank0=loading)
+
+
+def model_state(model: nn.Module, ctx: DistContext) -> dict[str, torch.Tensor]:
+    """Full model state keyed by parameter name, on CPU (on rank 0 only under fsdp). Collective."""
+    state = get_model_state_dict(model, options=_options(ctx, loading=False))
+    return {name: tensor.detach().cpu() for name, tensor in state.items()}
+
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> dict[str, Any]:
+    """Full optimizer state keyed by parameter name (rank 0 only under fsdp). Collective."""
+    return get_optimizer_state_dict(model, optimizer, options=_options(ctx, loading=False))
+
+
+def load_model_state(model: nn.Module, state: dict[str, torch.Tensor], ctx: DistContext) -> None:
+    """Inverse of `model_state`; under fsdp only rank 0's `state` is read."""
+    set_model_state_dict(model, state, options=_options(ctx, loading=True))
+
+
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
+                         ctx: DistContext) -> None:
+    """Inverse of `optimizer_state`; under fsdp only rank 0's `state` is read."""
+    set_optimizer_state_dict(model, optimizer, state, options=_options(ctx, loading=True))

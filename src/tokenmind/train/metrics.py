@@ -1,0 +1,156 @@
+"""Training metrics: FLOP accounting and MFU, the JSONL log, the console, the loss plot.
+
+MFU (model FLOPs utilization) = achieved model FLOP/s ÷ the hardware's peak. Model FLOPs per
+trained token follow the standard count (Kaplan et al. 2020; PaLM, Chowdhery et al. 2022,
+appendix B):
+
+    6·N + 12·L·(H·D)·T
+
+* 6·N: each parameter that takes part in a matmul does a multiply-add (2 FLOPs) per token in
+  the forward pass and twice that in the backward. N counts all parameters *except the input
+  embedding*, which is a table lookup; the LM head is a real matmul, so a tied embedding
+  counts once, as the head.
+* 12·L·(H·D)·T: attention scores and the weighted sum (2 matmuls of T×(H·D), forward +
+  backward) in each of L layers, at sequence length T, counted without the causal halving,
+  as PaLM does.
+
+It is a *model* count: gradient-checkpointing recomputation does not raise it (that would be
+hardware FLOPs utilization). The peak is stated, not guessed: see `default_peak_flops`.
+
+Every `log_every` steps one JSON object per line goes to `metrics.jsonl` (train records carry
+`loss`, val records `val_loss`); the console gets a rich progress bar on a terminal and plain
+lines otherwise (CI logs). On resume, records past the checkpoint's step are dropped, so the
+file always describes the one run the checkpoints describe.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from matplotlib.figure import Figure
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from tokenmind.model.config import ModelConfig
+
+# (device-name substring, dense bf16 peak, fp32 peak) FLOP/s per device. The CPU numbers are this
+# project's machine (2 cores, AMX): a 1024³ matmul measured ~1.0e12 in bf16 and ~9e10 in fp32.
+# GPU numbers are NVIDIA's dense (no sparsity) datasheet values; fp32 means non-TF32 matmuls.
+_PEAKS = (("H100", 989e12, 67e12), ("H200", 989e12, 67e12), ("A100", 312e12, 19.5e12))
+CPU_PEAK_BF16, CPU_PEAK_FP32 = 1.0e12, 9.0e10
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training (forward + backward) model FLOPs per token; see the module docstring."""
+    n = cfg.num_parameters - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
+    attention = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq_len
+    return 6.0 * n + attention
+
+
+def default_peak_flops(device: torch.device, precision: str) -> float | None:
+    """The per-device peak FLOP/s MFU divides by, or None for an unknown GPU (set train.peak_flops)."""
+    if device.type == "cpu":
+        return CPU_PEAK_BF16 if precision == "bf16" else CPU_PEAK_FP32
+    name = torch.cuda.get_device_name(device)
+    for key, bf16, fp32 in _PEAKS:
+        if key in name:
+            return bf16 if precision == "bf16" else fp32
+    return None
+
+
+def mfu(tokens_per_s: float, flops_token: float, peak_flops: float | None, world_size: int = 1) -> float | None:
+    """Fraction of `world_size` devices' peak achieved at a global `tokens_per_s`."""
+    if peak_flops is None:
+        return None
+    return tokens_per_s * flops_token / (peak_flops * world_size)
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+class MetricsLogger:
+    """Appends step records to a JSONL file and shows progress. Disabled (no file, no output)
+    on ranks other than 0."""
+
+    def __init__(self, path: str | Path, *, total_steps: int, start_step: int = 0, enabled: bool = True,
+                 console: Console | None = None) -> None:
+        self.path, self.enabled = Path(path), enabled
+        self.console = console or Console(stderr=True)
+        self._handle = None
+        self._progress: Progress | None = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = [r for r in read_jsonl(self.path) if r.get("step", 0) <= start_step]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+        tmp.replace(self.path)
+        self._handle = open(self.path, "a", encoding="utf-8")
+        if self.console.is_terminal:
+            self._progress = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                TimeRemainingColumn(), console=self.console,
+            )
+            self._task = self._progress.add_task("train", total=total_steps, completed=start_step, info="")
+            self._progress.start()
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Write one record (must have `step`); show a summary of it."""
+        if not self.enabled:
+            return
+        assert self._handle is not None
+        self._handle.write(json.dumps(record) + "\n")
+        self._handle.flush()
+        summary = self._summary(record)
+        if self._progress is not None and "loss" in record:  # the bar shows the latest train step
+            self._progress.update(self._task, completed=record["step"], info=summary)
+        else:  # val results stay on screen above the bar; plain lines off a terminal
+            self.console.print(f"step {record['step']}: {summary}", highlight=False)
+
+    @staticmethod
+    def _summary(record: dict[str, Any]) -> str:
+        if "val_loss" in record:
+            return f"val_loss {record['val_loss']:.4f}"
+        parts = [f"loss {record['loss']:.4f}", f"lr {record['lr']:.2e}", f"|g| {record['grad_norm']:.3f}",
+                 f"{record['tokens_per_s']:,.0f} tok/s"]
+        if record.get("mfu") is not None:
+            parts.append(f"MFU {100 * record['mfu']:.1f}%")
+        return "  ".join(parts)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+
+def plot_loss(jsonl_path: str | Path, png_path: str | Path) -> Path:
+    """Train loss per step (line) and val loss (points) from a metrics JSONL, as a PNG."""
+    records = read_jsonl(jsonl_path)
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r and math.isfinite(r["loss"])]
+    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    figure = Figure(figsize=(8, 4.5), layout="tight")  # no pyplot: no global figure state
+    axes = figure.add_subplot()
+    if train:
+        axes.plot(*zip(*train), label="train loss", linewidth=1)
+    if val:
+        axes.plot(*zip(*val), "o-", label="val loss", markersize=4)
+    axes.set_xlabel("step")
+    axes.set_ylabel("loss (nats/token)")
+    axes.grid(alpha=0.3)
+    if train or val:
+        axes.legend()
+    png_path = Path(png_path)
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(png_path, dpi=120)
+    return png_path

@@ -1,0 +1,54 @@
+"""Shared pieces of the tests/test_train_*.py files: tiny learnable shards and a tiny run config.
+
+The corpus is arithmetic progressions (start s, stride 1–3, modulo the vocabulary): the next
+token follows from the previous two, so a 2-layer model's loss falls within a few dozen steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tokenmind.data.shards import ShardConfig, ShardWriter
+from tokenmind.train.config import RunConfig, load_config
+
+VOCAB = 300
+EOS = 0
+
+
+def write_shards(root: Path, num_docs: int = 300, seed: int = 0, val_tokens: int = 400) -> Path:
+    """A shard folder of `num_docs` progressions (train) plus a held-out tail (val)."""
+    rng = np.random.default_rng(seed)
+    cfg = ShardConfig(tokens_per_shard=2000, val_tokens=val_tokens)
+    with ShardWriter(root, vocab_size=VOCAB, eos_token_id=EOS, cfg=cfg) as writer:
+        for _ in range(num_docs):
+            start, stride, length = rng.integers(1, VOCAB), rng.integers(1, 4), rng.integers(8, 48)
+            writer.add((start + stride * np.arange(length)) % (VOCAB - 1) + 1)
+    return root
+
+
+def tiny_config(shards: Path, out_dir: Path, *overrides: str) -> RunConfig:
+    """2 layers, dim 64, GQA 4/2 heads, 4 rows × 32 tokens, 8 fp32 steps; `overrides` win."""
+    base = [
+        f"--model.vocab_size={VOCAB}", "--model.hidden_size=64", "--model.intermediate_size=128",
+        "--model.num_hidden_layers=2", "--model.num_attention_heads=4", "--model.num_key_value_heads=2",
+        "--model.max_position_embeddings=64",
+        f"--data.shards={shards}", "--data.batch_size=4", "--data.seq_len=32",
+        "--optim.lr=3e-3", "--schedule.warmup_steps=2",
+        "--train.steps=8", "--train.precision=fp32", "--train.eval_batches=2", f"--train.out_dir={out_dir}",
+    ]
+    return load_config(None, base + list(overrides))
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny models run on one intra-op thread: on a shared 2-core machine, two OpenMP threads
+    spin-wait on each other for every small op and make a step ~50x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
