@@ -100,6 +100,37 @@ def cmd_convert(args) -> None:
     print(f"wrote Hugging Face model directory {out}")
 
 
+def cmd_train(args, overrides: list[str]) -> None:
+    from .train import load_config, pretrain
+
+    result = pretrain(load_config(args.config, overrides))
+    print(f"done: {result.steps} steps, {result.tokens_seen:,} tokens, final loss {result.final_loss:.4f}"
+          + (f", val loss {result.final_val_loss:.4f}" if result.final_val_loss is not None else ""))
+    print(f"model: {result.final_model_path}\nmetrics: {result.metrics_path}\nloss curve: {result.plot_path}")
+
+
+def cmd_data_prepare(args) -> None:
+    from .data.dedup import MinHashConfig
+    from .data.pipeline import DataPipelineConfig, run_pipeline
+    from .data.shards import ShardConfig
+    from .tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_pretrained(_resolve_tokenizer(args.tokenizer))
+    cfg = DataPipelineConfig(near_dedup=MinHashConfig(threshold=args.near_dup_threshold) if args.near_dedup else None,
+                             eval_paths=args.eval, shards=ShardConfig(val_fraction=args.val_fraction),
+                             num_workers=args.workers)
+    report = run_pipeline(args.inputs, args.out, tokenizer, cfg)
+    if report["output"]["documents"] == 0:
+        raise ValueError("no document survived the filters (see the table above); check the input, or loosen "
+                         "the quality filters in DataPipelineConfig")
+
+
+def _resolve_tokenizer(ref: str):
+    from .pretrained import resolve_model_path
+
+    return resolve_model_path(ref)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tokenmind",
@@ -128,13 +159,41 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--out", required=True, help="output directory (replaced atomically)")
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("train", help="pre-train a model from token shards (YAML config + overrides)",
+                       description="Pre-train from a YAML config; override any field with --section.key=value, "
+                                   "e.g. --optim.lr=1e-3 --train.steps=200. The resolved config is saved "
+                                   "in the run directory; an interrupted run resumes from its last checkpoint.")
+    p.add_argument("--config", default=None, help="YAML run config (sections: model, data, optim, schedule, train)")
+    p.set_defaults(func=cmd_train, takes_overrides=True)
+
+    data = sub.add_parser("data", help="data pipeline commands").add_subparsers(dest="data_command",
+                                                                                metavar="SUBCOMMAND", required=True)
+    p = data.add_parser("prepare", help="clean, dedup, decontaminate and tokenize text into shards",
+                        description="Read txt/jsonl/parquet files or folders; normalize and filter; drop exact and "
+                                    "near duplicates and eval-set overlaps; write memory-mapped token shards.")
+    p.add_argument("inputs", nargs="+", help="files or folders of documents")
+    p.add_argument("--out", required=True, help="output shard directory")
+    p.add_argument("--tokenizer", required=True, help="tokenizer.json dir, model dir, .gguf, or alias (smollm2)")
+    p.add_argument("--eval", action="append", default=[], help="eval set file/folder to decontaminate against")
+    p.add_argument("--val-fraction", type=float, default=0.01, help="fraction of documents held out as val split")
+    p.add_argument("--no-near-dedup", dest="near_dedup", action="store_false", help="skip MinHash near-dedup")
+    p.add_argument("--near-dup-threshold", type=float, default=0.8, help="Jaccard threshold for near duplicates")
+    p.add_argument("--workers", type=int, default=2, help="tokenizer worker processes")
+    p.set_defaults(func=cmd_data_prepare)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and not getattr(args, "takes_overrides", False):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
-        args.func(args)
+        if getattr(args, "takes_overrides", False):
+            args.func(args, rest)
+        else:
+            args.func(args)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -42,9 +42,12 @@ class DataSection:
     batch_size: rows per micro-batch on each rank. One optimizer step sees
         batch_size × train.grad_accum × world_size rows (the global batch).
     seq_len: tokens per row. shuffle/seed: the loader's seeded row permutation.
+    tokenizer: the tokenizer the shards were made with (dir, .gguf or alias); saved into the
+        exported model so `tokenmind chat --model <run>/final` works. Empty: export weights only.
     """
 
     shards: str = ""
+    tokenizer: str = ""
     batch_size: int = 8
     seq_len: int = 512
     seed: int = 0

@@ -235,8 +235,17 @@ class Trainer:
             if self.ctx.strategy == "fsdp":  # parameters are shards; build a whole copy
                 model = Transformer(self.cfg.model)
                 model.load_state_dict(state)
-            save_hf_dir(model, path)
+            save_hf_dir(model, path, tokenizer=self._tokenizer())
         return path
+
+    def _tokenizer(self):
+        """The tokenizer named in data.tokenizer, saved with the model so the export chats as is."""
+        if not self.cfg.data.tokenizer:
+            return None
+        from tokenmind.pretrained import resolve_model_path
+        from tokenmind.tokenizer import Tokenizer
+
+        return Tokenizer.from_pretrained(resolve_model_path(self.cfg.data.tokenizer))
 
     def train(self) -> TrainResult:
         """Train from the current step to train.steps; see the module docstring."""
