@@ -19,6 +19,7 @@ class KVCache:
         shape = (cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, max_len, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._k_layers, self._v_layers = self.k.unbind(0), self.v.unbind(0)  # per-layer views, made once
         self.key_mask = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)
         self.has_padding = False
         self.length = 0  # slots filled so far (same for every row)
@@ -44,6 +45,7 @@ class KVCache:
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k/v (B, kv_heads, T, D) at `start`; return all cached keys/values up to them."""
         end = start + k.shape[2]
-        self.k[layer, :, :, start:end] = k
-        self.v[layer, :, :, start:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        k_all, v_all = self._k_layers[layer][:, :, :end], self._v_layers[layer][:, :, :end]
+        k_all[:, :, start:].copy_(k)
+        v_all[:, :, start:].copy_(v)
+        return k_all, v_all
