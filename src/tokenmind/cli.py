@@ -110,6 +110,15 @@ def cmd_train(args, overrides: list[str]) -> None:
     print(f"model: {result.final_model_path}\nmetrics: {result.metrics_path}\nloss curve: {result.plot_path}")
 
 
+def cmd_sft(args, overrides: list[str]) -> None:
+    from .posttrain import load_sft_config, sft
+
+    result = sft(load_sft_config(args.config, overrides))
+    print(f"done: {result.steps} steps, final loss {result.final_loss:.4f}"
+          + (f", val loss {result.final_val_loss:.4f}" if result.final_val_loss is not None else ""))
+    print(f"model: {result.final_model_path}  (chat with: tokenmind chat --model {result.final_model_path})")
+
+
 def cmd_data_prepare(args) -> None:
     from .data.dedup import MinHashConfig
     from .data.pipeline import DataPipelineConfig, run_pipeline
@@ -183,6 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="YAML run config (sections: model, data, optim, schedule, train)")
     p.set_defaults(func=cmd_train, takes_overrides=True)
 
+    p = sub.add_parser("sft", help="supervised fine-tuning on chat JSONL (loss on assistant turns)",
+                       description="Fine-tune a model (--sft.init_from: a run, HF dir, .gguf or alias) on chat "
+                                   "conversations rendered with its chat template; loss only on assistant tokens. "
+                                   "Override fields with --section.key=value, e.g. --data.files=data/sft.")
+    p.add_argument("--config", default=None, help="YAML SFT config (sections: sft, data, optim, schedule, train)")
+    p.set_defaults(func=cmd_sft, takes_overrides=True)
+
     data = sub.add_parser("data", help="data pipeline commands").add_subparsers(dest="data_command",
                                                                                 metavar="SUBCOMMAND", required=True)
     p = data.add_parser("prepare", help="clean, dedup, decontaminate and tokenize text into shards",
@@ -238,6 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # e.g. TrainingDiverged: the message says what happened and what was kept
+        if type(e).__name__ != "TrainingDiverged":
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except BrokenPipeError:
         pass
     return 0

@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 import math
 import types
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
@@ -176,14 +177,19 @@ class RunConfig:
         _check(self.data.seq_len <= self.model.max_position_embeddings,
                f"data.seq_len={self.data.seq_len} exceeds model.max_position_embeddings="
                f"{self.model.max_position_embeddings}; shorten data.seq_len or raise max_position_embeddings")
-        _check(self.schedule.warmup_steps <= self.train.steps,
-               f"schedule.warmup_steps={self.schedule.warmup_steps} exceeds train.steps={self.train.steps}; "
-               "lower --schedule.warmup_steps")
-        if self.schedule.name == "wsd":
-            decay = round(self.schedule.decay_fraction * self.train.steps)
-            _check(self.schedule.warmup_steps + decay <= self.train.steps,
-                   f"WSD warmup ({self.schedule.warmup_steps}) + decay ({decay}) steps exceed train.steps="
-                   f"{self.train.steps}; lower schedule.warmup_steps or schedule.decay_fraction")
+        check_schedule_fits(self.schedule, self.train)
+
+
+def check_schedule_fits(schedule: ScheduleSection, train: TrainSection) -> None:
+    """The schedule's warmup (and WSD decay) must fit in train.steps; shared by every run config."""
+    _check(schedule.warmup_steps <= train.steps,
+           f"schedule.warmup_steps={schedule.warmup_steps} exceeds train.steps={train.steps}; "
+           "lower --schedule.warmup_steps")
+    if schedule.name == "wsd":
+        decay = round(schedule.decay_fraction * train.steps)
+        _check(schedule.warmup_steps + decay <= train.steps,
+               f"WSD warmup ({schedule.warmup_steps}) + decay ({decay}) steps exceed train.steps="
+               f"{train.steps}; lower schedule.warmup_steps or schedule.decay_fraction")
 
 
 SECTIONS: dict[str, type] = get_type_hints(RunConfig)
@@ -232,6 +238,9 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
             return tuple(_coerce(v, t, where) for v, t in zip(value, items))
     elif origin is dict and isinstance(value, dict):
         return value
+    elif origin is list:  # one value is a one-item list, so `--data.files=a.jsonl` works
+        (item,) = get_args(annotation)
+        return [_coerce(v, item, where) for v in (value if isinstance(value, (list, tuple)) else [value])]
     raise ValueError(f"{where}: expected {getattr(annotation, '__name__', annotation)}, got {value!r}")
 
 
@@ -241,8 +250,7 @@ def _unknown(kind: str, name: str, valid: list[str]) -> ValueError:
     return ValueError(f"unknown {kind} {name!r}{hint}; valid: {', '.join(valid)}")
 
 
-def _build_section(name: str, values: dict[str, Any]) -> Any:
-    cls = SECTIONS[name]
+def _build_section(cls: type, name: str, values: dict[str, Any]) -> Any:
     hints = get_type_hints(cls)
     fields = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
@@ -253,7 +261,7 @@ def _build_section(name: str, values: dict[str, Any]) -> Any:
     return cls(**kwargs)
 
 
-def parse_overrides(overrides: list[str]) -> list[tuple[str, str, Any]]:
+def parse_overrides(overrides: list[str], sections: Iterable[str] = tuple(SECTIONS)) -> list[tuple[str, str, Any]]:
     """`["--optim.lr=1e-3", "train.steps", "20"]` → `[("optim", "lr", "1e-3"), ("train", "steps", 20)]`.
 
     Accepts `section.key=value` with or without leading dashes, or the value as the next item.
@@ -270,32 +278,37 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, str, Any]]:
             raise ValueError(f"override {overrides[i]!r} has no value; write --section.key=value")
         i += 1
         if path.count(".") != 1:
-            raise ValueError(f"override {path!r} must be section.key (sections: {', '.join(SECTIONS)}); "
+            raise ValueError(f"override {path!r} must be section.key (sections: {', '.join(sections)}); "
                              "give a whole mapping as YAML, e.g. model.rope_scaling='{rope_type: linear, factor: 2}'")
         section, key = path.split(".")
         parsed.append((section, key, yaml.safe_load(text)))
     return parsed
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Defaults ← YAML file (if given) ← overrides, validated; every error names the fix."""
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                schema: type = RunConfig) -> Any:
+    """Defaults ← YAML file (if given) ← overrides, validated; every error names the fix.
+
+    schema: the config dataclass whose fields are the sections (`RunConfig`, or e.g. SFT's own).
+    """
+    sections = get_type_hints(schema)
     raw: dict[str, Any] = {}
     if path is not None:
         loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
         if loaded is not None and not isinstance(loaded, dict):
-            raise ValueError(f"{path} must be a YAML mapping of sections ({', '.join(SECTIONS)})")
+            raise ValueError(f"{path} must be a YAML mapping of sections ({', '.join(sections)})")
         raw = loaded or {}
     for section, values in raw.items():
-        if section not in SECTIONS:
-            raise _unknown("config section", section, list(SECTIONS))
+        if section not in sections:
+            raise _unknown("config section", section, list(sections))
         if values is not None and not isinstance(values, dict):
             raise ValueError(f"section {section!r} in {path} must be a mapping of key: value")
     raw = {section: dict(values or {}) for section, values in raw.items()}
-    for section, key, value in parse_overrides(list(overrides)):
-        if section not in SECTIONS:
-            raise _unknown("config section", section, list(SECTIONS))
+    for section, key, value in parse_overrides(list(overrides), sections):
+        if section not in sections:
+            raise _unknown("config section", section, list(sections))
         raw.setdefault(section, {})[key] = value
-    return RunConfig(**{name: _build_section(name, raw.get(name, {})) for name in SECTIONS})
+    return schema(**{name: _build_section(cls, name, raw.get(name, {})) for name, cls in sections.items()})
 
 
 def config_dict(cfg: RunConfig) -> dict[str, Any]:

@@ -5,10 +5,12 @@ data loader, step counter — so a checkpoint of exactly those, plus RNG states,
 run retrace the uninterrupted one's loss curve. One optimizer step:
 
 1. grad_accum micro-batches, each: forward (under bf16 autocast if configured; parameters stay
-   fp32, so they are the master weights and the optimizer never sees bf16), mean next-token
-   cross-entropy in fp32, backward of loss / grad_accum. Every micro-batch has the same number
-   of tokens (packed rows, no padding), so this is the mean over the whole global batch; under
-   DDP/FSDP gradients are synchronized only on the last micro-batch.
+   fp32, so they are the master weights and the optimizer never sees bf16), summed next-token
+   cross-entropy in fp32 divided by the number of trained targets in the whole global batch,
+   backward. So every trained target weighs the same, however they spread over micro-batches
+   and ranks: with packed pre-training rows that is all of them (the plain mean), with SFT
+   only the assistant tokens (the others are `IGNORE_INDEX`). Under DDP/FSDP gradients are
+   synchronized only on the last micro-batch.
 2. Global gradient norm, measured before clipping (the logged number) and clipped.
 3. A NaN/inf loss or norm stops the run *before* the update with `TrainingDiverged`; no
    checkpoint is written after that, so the newest one on disk is the last good state.
@@ -17,6 +19,10 @@ run retrace the uninterrupted one's loss curve. One optimizer step:
 Around that: validation loss every eval_every steps and at the end, checkpoints every
 checkpoint_every steps and at the end, metrics to JSONL, and finally the model exported as a
 Hugging Face directory (`out_dir/final`) and the loss curve as `out_dir/loss.png`.
+
+Where batches come from and how the model starts are two methods, `_build_data` and
+`_build_model`: pre-training reads token shards into a randomly initialized model; a subclass
+(SFT in `tokenmind.posttrain`) supplies chat batches and pretrained weights and reuses the rest.
 """
 
 from __future__ import annotations
@@ -83,13 +89,24 @@ def autocast(device: torch.device, precision: str):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
 
 
-def next_token_loss(model: nn.Module, batch: Batch, device: torch.device, precision: str) -> torch.Tensor:
-    """Mean cross-entropy of `batch.targets` given `batch.input_ids`, attention kept within each
-    packed document. The logits are upcast so the softmax and loss are computed in fp32."""
+IGNORE_INDEX = -100  # a target with this id is not trained on (F.cross_entropy's default ignore_index)
+
+
+def next_token_loss(model: nn.Module, batch: Batch, device: torch.device, precision: str,
+                    reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of `batch.targets` given `batch.input_ids` (mean or sum over the targets that
+    are not IGNORE_INDEX), attention kept within each packed document. The logits are upcast so
+    the softmax and loss are computed in fp32."""
     ids, targets, docs, positions = (t.to(device, non_blocking=True) for t in batch)
     with autocast(device, precision):
         logits = model(ids, positions, document_ids=docs)
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction=reduction)
+
+
+def trained_targets(batch: Batch) -> int:
+    """How many targets of `batch` carry loss."""
+    return int((batch.targets != IGNORE_INDEX).sum())
 
 
 def seed_everything(seed: int) -> None:
@@ -116,6 +133,37 @@ class Trainer:
         cfg, t, ctx = self.cfg, self.cfg.train, self.ctx
         self.out_dir = Path(t.out_dir)
         self.checkpoint_root = self.out_dir / "checkpoints"
+        self._build_data()
+        seed_everything(t.seed + ctx.rank)
+        model = self._build_model()
+        model.gradient_checkpointing = t.gradient_checkpointing
+        model.to(ctx.device)
+        if t.compile:
+            model.compile()
+        self.model = model  # the module whose state we save (sharded in place under fsdp)
+        self.wrapped = wrap_model(model, ctx)  # the module we call in training
+        self.params = list(model.parameters())
+        self.optimizer = build_optimizer(model, cfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, cfg.schedule, t.steps)
+
+        self.step = 0
+        self.tokens_seen = 0
+        self.tokens_per_step = cfg.data.batch_size * cfg.data.seq_len * t.grad_accum * ctx.world_size
+        self.flops_per_token = flops_per_token(model.cfg, cfg.data.seq_len)
+        self.peak_flops = t.peak_flops or default_peak_flops(ctx.device, t.precision)
+
+        latest = latest_checkpoint(self.checkpoint_root)
+        if latest is not None:
+            if not t.resume:
+                raise FileExistsError(f"{self.checkpoint_root} already has checkpoints (newest: {latest.name}); "
+                                      "pass --train.resume=true to continue that run or choose a new --train.out_dir")
+            self._restore(latest)
+
+    def _build_data(self) -> None:
+        """Set `self.loader` (train batches), `self.val_loader` (None or a loader that
+        `evaluate` rewinds to `self.val_start`), both yielding `Batch`es and saving their
+        position with state_dict/load_state_dict; here: packed token shards."""
+        cfg = self.cfg
         if not cfg.data.shards:
             raise ValueError("data.shards is not set; pass --data.shards=DIR (a token-shard folder with a manifest.json)")
         train_shards = TokenShards(cfg.data.shards, "train")
@@ -132,31 +180,11 @@ class Trainer:
                 raise ValueError(f"val split: {e}; hold out more tokens for val or lower data.batch_size") from e
             self.val_start = self.val_loader.state_dict()
 
-        seed_everything(t.seed + ctx.rank)
-        model = Transformer(cfg.model)
-        model.init_weights(t.init_std, torch.Generator().manual_seed(t.seed))  # same on every rank
-        model.gradient_checkpointing = t.gradient_checkpointing
-        model.to(ctx.device)
-        if t.compile:
-            model.compile()
-        self.model = model  # the module whose state we save (sharded in place under fsdp)
-        self.wrapped = wrap_model(model, ctx)  # the module we call in training
-        self.params = list(model.parameters())
-        self.optimizer = build_optimizer(model, cfg.optim)
-        self.scheduler = build_scheduler(self.optimizer, cfg.schedule, t.steps)
-
-        self.step = 0
-        self.tokens_seen = 0
-        self.tokens_per_step = cfg.data.batch_size * cfg.data.seq_len * t.grad_accum * ctx.world_size
-        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
-        self.peak_flops = t.peak_flops or default_peak_flops(ctx.device, t.precision)
-
-        latest = latest_checkpoint(self.checkpoint_root)
-        if latest is not None:
-            if not t.resume:
-                raise FileExistsError(f"{self.checkpoint_root} already has checkpoints (newest: {latest.name}); "
-                                      "pass --train.resume=true to continue that run or choose a new --train.out_dir")
-            self._restore(latest)
+    def _build_model(self) -> Transformer:
+        """The model training starts from (on CPU, fp32); here: cfg.model, randomly initialized."""
+        model = Transformer(self.cfg.model)
+        model.init_weights(self.cfg.train.init_std, torch.Generator().manual_seed(self.cfg.train.seed))  # rank-equal
+        return model
 
     def _loader_config(self, seed: int, shuffle: bool) -> LoaderConfig:
         data = self.cfg.data
@@ -190,15 +218,17 @@ class Trainer:
     def train_step(self) -> tuple[float, float, float]:
         """One optimizer step over the global batch; returns (loss, pre-clip grad norm, lr used)."""
         t, device = self.cfg.train, self.ctx.device
+        batches = [next(self.loader) for _ in range(t.grad_accum)]
+        # DDP/FSDP average gradients over ranks, so each rank divides by the per-rank mean count.
+        count = self.ctx.mean(torch.tensor(float(sum(map(trained_targets, batches))), device=device))
         total = torch.zeros((), device=device)
-        for micro in range(t.grad_accum):
-            batch = next(self.loader)
+        for micro, batch in enumerate(batches):
             with grad_sync(self.wrapped, enabled=micro == t.grad_accum - 1):
-                loss = next_token_loss(self.wrapped, batch, device, t.precision)
-                (loss / t.grad_accum).backward()
+                loss = next_token_loss(self.wrapped, batch, device, t.precision, reduction="sum") / count
+                loss.backward()
             total += loss.detach()
         grad_norm = float(clip_grad_norm(self.params, self.cfg.optim.grad_clip))
-        loss = float(self.ctx.mean(total / t.grad_accum))
+        loss = float(self.ctx.mean(total))
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
             last = latest_checkpoint(self.checkpoint_root)
@@ -214,17 +244,19 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Mean loss over the first eval_batches batches of the val split (the same batches every
-        time, so values are comparable across steps); None without a val split."""
+        """Mean loss per trained target over the first eval_batches batches of the val split (the
+        same batches every time, so values are comparable across steps); None without a val split."""
         if self.val_loader is None:
             return None
         self.val_loader.load_state_dict(self.val_start)
-        count = min(self.cfg.train.eval_batches, self.val_loader.batches_per_epoch)
+        batches = [next(self.val_loader) for _ in range(min(self.cfg.train.eval_batches,
+                                                                self.val_loader.batches_per_epoch))]
         self.model.eval()
-        total = sum(next_token_loss(self.model, next(self.val_loader), self.ctx.device, self.cfg.train.precision)
-                    for _ in range(count))
+        total = sum(next_token_loss(self.model, batch, self.ctx.device, self.cfg.train.precision, reduction="sum")
+                    for batch in batches)
         self.model.train()
-        return float(self.ctx.mean(total / count))
+        count = torch.tensor(float(sum(map(trained_targets, batches))), device=self.ctx.device)
+        return float(self.ctx.mean(total) / self.ctx.mean(count))
 
     def export(self) -> Path:
         """Write the trained model as a Hugging Face directory `out_dir/final` (rank 0)."""
@@ -233,7 +265,7 @@ class Trainer:
         if self.ctx.is_main:
             model = self.model
             if self.ctx.strategy == "fsdp":  # parameters are shards; build a whole copy
-                model = Transformer(self.cfg.model)
+                model = Transformer(self.model.cfg)
                 model.load_state_dict(state)
             save_hf_dir(model, path, tokenizer=self._tokenizer())
         return path

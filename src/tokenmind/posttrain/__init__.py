@@ -1,0 +1,8 @@
+"""Post-training on top of `tokenmind.train`: supervised fine-tuning on chats (`sft`).
+
+`load_sft_config(yaml_path, overrides)` then `sft(cfg)` is the whole API a script or the CLI needs.
+"""
+
+from .sft import SFTConfig, SFTTrainer, load_sft_config, sft
+
+__all__ = ["SFTConfig", "SFTTrainer", "load_sft_config", "sft"]

@@ -1,0 +1,232 @@
+"""Chat data for SFT: read conversations, render them with the chat template, pack them into rows.
+
+A conversation is trained exactly as the model will later see it in `tokenmind chat`: rendered
+by the tokenizer's own chat template (`Tokenizer.render_chat`), which also says which tokens
+the assistant produced. Only those — each assistant turn's content and its end-of-turn token —
+are targets; system and user turns, role headers and template glue are context the model
+reads but is not trained to write. A conversation of L tokens becomes L positions: inputs
+ids[0..L), targets ids[1..L) with every non-assistant target set to `IGNORE_INDEX`, and
+IGNORE_INDEX after the last token (nothing follows a conversation).
+
+Conversations are short and uneven, so padding each to the row length would waste most of a
+batch's compute. They are packed instead, several per row of `seq_len`, with the same
+`doc_ids`/`position_ids` the pre-training loader produces: positions restart at 0 in every
+conversation and attention never crosses from one conversation into another, so a packed
+conversation gets exactly the logits it would get alone. Packing is best-fit decreasing
+(longest first, each into the fullest row it still fits), which leaves ~1% of a row empty
+where filling rows in reading order leaves about half a conversation per row; the rest of a
+row is padding: its own document, never attended to from real tokens and never trained on.
+
+A conversation longer than `seq_len` keeps its first `seq_len` positions (the prompt and the
+start of the answer) and is counted as truncated; one with no assistant token left to train
+on is dropped and counted. Rows are packed once; `ChatLoader` serves them in a seeded order
+per epoch and saves its position like `PackedLoader`, so a resumed run sees the same batches.
+"""
+
+from __future__ import annotations
+
+import bisect
+import glob
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tokenmind.data.loader import Batch, LoaderConfig
+from tokenmind.tokenizer import Tokenizer
+from tokenmind.train.trainer import IGNORE_INDEX
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def expand_files(specs: Sequence[str]) -> list[Path]:
+    """JSONL paths from files, directories (their `*.jsonl`, sorted) and glob patterns, in order."""
+    paths: list[Path] = []
+    for spec in specs:
+        path = Path(spec).expanduser()
+        if path.is_dir():
+            found = sorted(path.glob("*.jsonl"))
+        elif path.is_file():
+            found = [path]
+        else:
+            found = [Path(p) for p in sorted(glob.glob(str(path)))]
+        if not found:
+            raise FileNotFoundError(f"data.files: {spec!r} matches no .jsonl file; give chat JSONL files, a folder "
+                                    "of them or a glob (`tokenmind data fetch sft` writes some under sft/)")
+        paths.extend(found)
+    return paths
+
+
+def read_conversations(paths: Sequence[Path]) -> list[list[dict[str, Any]]]:
+    """The `messages` of every line of the JSONL files, checked: each message has a known role
+    and string content, and each conversation has an assistant turn to learn from."""
+    conversations = []
+    for path in paths:
+        with open(path, encoding="utf-8") as handle:
+            for number, line in enumerate(handle, 1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{number}"
+                try:
+                    messages = json.loads(line).get("messages")
+                except (json.JSONDecodeError, AttributeError) as e:
+                    raise ValueError(f"{where}: not a JSON object ({e})") from e
+                if not isinstance(messages, list) or not messages:
+                    raise ValueError(f'{where}: needs "messages": a non-empty list of {{"role", "content"}} objects')
+                for m in messages:
+                    if not (isinstance(m, Mapping) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
+                        raise ValueError(f"{where}: bad message {m!r}; each needs a role ({', '.join(ROLES)}) "
+                                         "and string content")
+                if not any(m["role"] == "assistant" for m in messages):
+                    raise ValueError(f"{where}: no assistant message, so nothing to train on")
+                conversations.append(messages)
+    return conversations
+
+
+@dataclass
+class Example:
+    """One rendered conversation: `inputs` and `targets` of the same length (at most seq_len)."""
+
+    inputs: np.ndarray
+    targets: np.ndarray
+
+
+def to_example(ids: Sequence[int], assistant_mask: Sequence[int], seq_len: int) -> Example:
+    """Next-token targets of a rendered chat, IGNORE_INDEX except on assistant tokens; cut to seq_len."""
+    ids = np.asarray(ids, dtype=np.int64)
+    keep = np.asarray(assistant_mask[1:], dtype=bool)
+    targets = np.append(np.where(keep, ids[1:], IGNORE_INDEX), IGNORE_INDEX)
+    return Example(ids[:seq_len], targets[:seq_len])
+
+
+@dataclass
+class ChatData:
+    """Rendered train/val examples, what happened to the conversations (`stats`), and the special
+    tokens that end assistant turns (`turn_end_ids`, e.g. ChatML's `<|im_end|>`): the model is
+    trained to stop with them, so generation must stop on them."""
+
+    train: list[Example]
+    val: list[Example]
+    stats: dict[str, Any] = field(default_factory=dict)
+    turn_end_ids: set[int] = field(default_factory=set)
+
+
+def prepare_chat_data(tokenizer: Tokenizer, conversations: Sequence[Sequence[Mapping[str, Any]]], seq_len: int,
+                      val_fraction: float = 0.0, seed: int = 0) -> ChatData:
+    """Split conversations into train/val by a seeded permutation (val gets round(n × val_fraction),
+    at least one when val_fraction > 0), render each, truncate to seq_len, drop the untrainable."""
+    n = len(conversations)
+    if n == 0:
+        raise ValueError("no conversations to train on: the data.files hold no JSONL lines")
+    n_val = min(max(round(n * val_fraction), 1), n - 1) if val_fraction > 0 else 0
+    is_val = np.zeros(n, dtype=bool)
+    is_val[np.random.default_rng(seed).permutation(n)[:n_val]] = True
+    train, val = [], []
+    truncated = dropped = 0
+    turn_ends: set[int] = set()
+    for messages, in_val in zip(conversations, is_val):
+        ids, mask = tokenizer.render_chat(messages)
+        turn_ends.update(ids[i] for i in range(len(ids)) if mask[i] and (i + 1 == len(ids) or not mask[i + 1]))
+        truncated += len(ids) > seq_len
+        example = to_example(ids, mask, seq_len)
+        if (example.targets == IGNORE_INDEX).all():
+            dropped += 1
+            continue
+        (val if in_val else train).append(example)
+    if not train:
+        raise ValueError(f"no trainable conversation left of {n}: every one lost its assistant tokens to "
+                         f"truncation at data.seq_len={seq_len}; raise data.seq_len")
+    tokens = sum(len(e.inputs) for e in train)
+    stats = {"conversations": n, "train_conversations": len(train), "val_conversations": len(val),
+             "truncated": truncated, "dropped_no_assistant_tokens": dropped, "train_tokens": tokens,
+             "train_trained_tokens": int(sum((e.targets != IGNORE_INDEX).sum() for e in train))}
+    special = {i for i, token in tokenizer.backend.get_added_tokens_decoder().items() if token.special}
+    return ChatData(train, val, stats, turn_ends & special)
+
+
+def pack(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
+    """Rows of example indices, each row's lengths summing to at most seq_len (best-fit decreasing;
+    ties keep input order, so the packing is deterministic)."""
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (space left, row), sorted: the fullest row that fits comes first
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        slot = bisect.bisect_left(free, (lengths[i], -1))
+        if slot == len(free):
+            rows.append([i])
+            space, row = seq_len - lengths[i], len(rows) - 1
+        else:
+            space, row = free.pop(slot)
+            rows[row].append(i)
+            space -= lengths[i]
+        if space > 0:
+            bisect.insort(free, (space, row))
+    return rows
+
+
+class ChatLoader:
+    """Infinite iterator of packed chat `Batch`es, with `PackedLoader`'s contract: a seeded row
+    order per epoch, rank k taking every world_size-th row, `batches_per_epoch`, and a position
+    (epoch, batch) that `state_dict`/`load_state_dict` save and restore exactly."""
+
+    def __init__(self, examples: Sequence[Example], cfg: LoaderConfig) -> None:
+        self.examples, self.cfg = list(examples), cfg
+        self.rows = pack([len(e.inputs) for e in self.examples], cfg.seq_len)
+        self.rows_per_rank = len(self.rows) // cfg.world_size
+        self.batches_per_epoch = self.rows_per_rank // cfg.batch_size
+        if self.batches_per_epoch == 0:
+            raise ValueError(f"{len(self.examples)} conversations pack into {len(self.rows)} rows of {cfg.seq_len}, "
+                             f"too few for one batch of {cfg.batch_size} rows on each of {cfg.world_size} rank(s)")
+        self.epoch = 0
+        self.step = 0  # batches already yielded in the current epoch
+
+    def rows_for_epoch(self, epoch: int) -> np.ndarray:
+        """This rank's row indices for `epoch`, in the order they are served."""
+        order = np.arange(len(self.rows))
+        if self.cfg.shuffle:
+            order = np.random.default_rng([self.cfg.seed, epoch]).permutation(len(self.rows))
+        return order[self.cfg.rank :: self.cfg.world_size][: self.rows_per_rank]
+
+    def __iter__(self) -> ChatLoader:
+        return self
+
+    def __next__(self) -> Batch:
+        if self.step == self.batches_per_epoch:
+            self.epoch, self.step = self.epoch + 1, 0
+        size = self.cfg.batch_size
+        rows = self.rows_for_epoch(self.epoch)[self.step * size : (self.step + 1) * size]
+        self.step += 1
+        return self.batch_for_rows(rows)
+
+    def batch_for_rows(self, rows: Sequence[int]) -> Batch:
+        """The batch of the given packed rows; the tail of each row is one padding document
+        (input id 0, targets IGNORE_INDEX)."""
+        shape = (len(rows), self.cfg.seq_len)
+        inputs, docs, positions = (np.zeros(shape, dtype=np.int64) for _ in range(3))
+        targets = np.full(shape, IGNORE_INDEX, dtype=np.int64)
+        for r, row in enumerate(rows):
+            start = 0
+            for doc, index in enumerate(self.rows[row]):
+                example = self.examples[index]
+                end = start + len(example.inputs)
+                inputs[r, start:end], targets[r, start:end] = example.inputs, example.targets
+                docs[r, start:end], positions[r, start:end] = doc, np.arange(end - start)
+                start = end
+            docs[r, start:], positions[r, start:] = len(self.rows[row]), np.arange(shape[1] - start)
+        return Batch(*(torch.from_numpy(a) for a in (inputs, targets, docs, positions)))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The exact position, plus what must not change for it to stay meaningful."""
+        return {"epoch": self.epoch, "step": self.step, "num_rows": len(self.rows), "config": asdict(self.cfg)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from `state_dict()`; refuses states from different data or a different layout."""
+        now = self.state_dict()
+        mismatched = [f"{key}: saved {state[key]!r}, now {now[key]!r}" for key in ("num_rows", "config")
+                      if state[key] != now[key]]
+        if mismatched:
+            raise ValueError("chat loader state does not match this data: " + "; ".join(mismatched))
+        self.epoch, self.step = int(state["epoch"]), int(state["step"])

