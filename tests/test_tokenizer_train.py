@@ -197,3 +197,16 @@ def test_train_tokenizer_from_jsonl_files(tmp_path, corpus):
     assert 50_000 <= again["train_chars"] < 51_000 + max(map(len, corpus[0]))
     with pytest.raises(ValueError, match="data is empty"):
         TokenizerTrainConfig()
+
+
+def test_saved_tokenizer_keeps_every_stop_id(tmp_path):
+    """`<|im_end|>` ends chat turns: it must still stop generation after save → load."""
+    from tokenmind.tokenizer import Tokenizer
+    from tokenmind.tokenizer.train import train_bpe
+
+    texts = [f"line {i}: the quick brown fox jumps over the lazy dog" for i in range(200)]
+    tok = train_bpe(texts, vocab_size=300)
+    end_of_turn = tok.token_to_id("<|im_end|>")
+    assert end_of_turn in tok.eos_token_ids
+    tok.save(tmp_path)
+    assert Tokenizer.from_pretrained(tmp_path).eos_token_ids == tok.eos_token_ids

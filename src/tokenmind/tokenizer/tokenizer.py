@@ -137,6 +137,11 @@ class Tokenizer:
         if self.chat_template is not None:
             config["chat_template"] = self.chat_template
         (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+        if self.eos_token_ids:  # every stop id (e.g. <|im_end|> as well as eos), as transformers' generate reads it
+            generation = {"eos_token_id": sorted(self.eos_token_ids)}
+            if self.bos_token_id is not None:
+                generation["bos_token_id"] = self.bos_token_id
+            (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
     # ----------------------------------------------------------------- encode / decode
 
