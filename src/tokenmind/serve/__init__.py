@@ -1,0 +1,12 @@
+"""`tokenmind serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the async engine.
+
+`run_server(ServeConfig(model="smollm2"))` serves `/v1/chat/completions`, `/v1/completions`,
+`/v1/models`, `/health`, `/metrics` and a web chat page at `/`; `build_app(config)` returns the
+ASGI app alone, to mount or test.
+"""
+
+from .app import build_app
+from .config import ServeConfig
+from .server import run_server
+
+__all__ = ["ServeConfig", "build_app", "run_server"]
