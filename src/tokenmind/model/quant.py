@@ -1,0 +1,414 @@
+"""Weight-only quantization: int8 per-channel and int4 group-wise linears on PyTorch's CPU kernels.
+
+Two drop-in replacements for `nn.Linear` (same `forward(x)` on any (..., in_features) input):
+
+- `Int8Linear`: symmetric per-output-channel int8, w = q · s[n], q in [-127, 127]. Runs
+  `torch._weight_int8pack_mm`.
+- `Int4Linear`: asymmetric group-wise int4 (groups of 32/64/128/256 along in_features), the
+  "tinygemm" convention w = (q − 8) · s + z with q in [0, 15] and one (s, z) per group. Runs
+  `torch._convert_weight_to_int4pack_for_cpu` + `torch._weight_int4pack_mm_for_cpu`.
+
+Both kernels take activations and scales of one dtype, the *compute dtype* (the dtype of the
+`scales` buffer; bf16 by default). Measured on the 2-core AVX-512/AMX CPU these kernels are fast
+in bf16 and very slow in fp32 (int8: ~4x slower, int4: ~20x), so activations are cast to the
+compute dtype around the kernel and back to the caller's dtype after it. They are matrix-vector
+kernels: above `kernel_max_rows` rows (prefill) the layer instead dequantizes its weight to the
+compute dtype and calls `F.linear`, which runs on AMX in bf16. compute_dtype=float32 is the exact
+mode (slow): the effective weight is then reproduced bit for bit, which is what the GGUF tests use.
+
+GGUF Q4_0 and Q4_1 blocks (32 weights, fp16 scale d, Q4_1 also an fp16 min m) are group-32 int4
+already: Q4_0 is w = d·(q − 8) → (s, z) = (d, 0); Q4_1 is w = d·q + m → (s, z) = (d, m + 8d).
+`quantize_from_gguf` copies the 4-bit codes as they are. Q8_0 (int8 with one scale per 32 weights)
+does not fit the per-channel int8 kernel, so it is requantized per channel from its dequantized
+values (one extra rounding, error ≤ half a per-channel step).
+
+Layout of `_convert_weight_to_int4pack_for_cpu` (probed; `_unpack_int4` inverts it and the tests
+check it against the kernel): (N, K/2) uint8; rows go in blocks of 64, and block b viewed as
+(K, 32) bytes holds row 64b+j in the low and row 64b+32+j in the high nibble of byte [k, j]; a
+last partial block of R rows viewed as (K, R/2) holds rows 2j and 2j+1 in byte [k, j].
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SCHEMES = ("int8", "int4")
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu accepts
+GGUF_INT4_TYPES = ("Q4_0", "Q4_1")
+GGUF_INT8_TYPES = ("Q8_0",)
+
+
+COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the kernels' activation dtypes
+
+
+def _check_group_size(group_size: int) -> None:
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 group_size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, got {group_size!r}")
+
+
+def _check_compute_dtype(dtype: torch.dtype) -> None:
+    if dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"compute_dtype must be one of {', '.join(map(str, COMPUTE_DTYPES))}, got {dtype} "
+                         "(bfloat16 is the fast one; float32 the exact one)")
+
+
+class QuantizedLinear(nn.Module):
+    """Shared shell: reshape (..., in) → (M, in), pad, cast to the compute dtype, matmul, bias, cast back.
+
+    Subclasses own the weight format: `_kernel(x)` for few rows and `dequantize(dtype)` (the
+    effective (out, in) weight, also used for many rows). Inputs are zero-padded on the right when
+    the kernel needs in_features rounded up (`padded_in`); the padded weight columns never matter.
+    """
+
+    # Rows up to which the fused kernel beats dequantize + bf16 F.linear: the kernel's time grows
+    # linearly with rows, the other's barely. Measured on SmolLM2's weights (bench_quant.py
+    # --crossover): int8 crosses over between 32 and 64 rows, int4 between 128 and 256.
+    kernel_max_rows = 32
+
+    def __init__(self, in_features: int, out_features: int, padded_in: int, bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features, self.padded_in = in_features, out_features, padded_in
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.source = ""  # where the weights came from, e.g. "Q4_1" for a GGUF load
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The kernel's activation dtype: that of the stored scales (so `.to(dtype)` moves both together)."""
+        raise NotImplementedError
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).to(self.compute_dtype)
+        if 0 < x2.shape[0] <= self.kernel_max_rows:
+            if self.padded_in != self.in_features:
+                x2 = F.pad(x2, (0, self.padded_in - self.in_features))
+            y = self._kernel(x2.contiguous())
+        else:
+            y = F.linear(x2, self.dequantize(self.compute_dtype))
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        src = f", source={self.source}" if self.source else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"compute_dtype={self.compute_dtype}{src}")
+
+
+class Int8Linear(QuantizedLinear):
+    """Symmetric per-output-channel int8: weight (out, padded_in) int8, scales (out,) in the compute dtype."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, in_features: int,
+                 bias: torch.Tensor | None = None):
+        # The bf16 kernel reads in_features in chunks of 16: other widths give wrong results or crash
+        # (torch 2.13), so from_float zero-pads the columns to a multiple of 16.
+        if qweight.dtype != torch.int8 or qweight.shape[1] % 16 or scales.shape != (qweight.shape[0],):
+            raise ValueError(f"Int8Linear needs an int8 (out, in) weight with in % 16 == 0 and (out,) scales; got "
+                             f"{qweight.dtype} {tuple(qweight.shape)} and {tuple(scales.shape)} (use from_float)")
+        super().__init__(in_features, qweight.shape[0], qweight.shape[1], bias)
+        self.register_buffer("weight", qweight.contiguous())
+        self.register_buffer("scales", scales.contiguous())
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                   compute_dtype: torch.dtype = torch.bfloat16) -> Int8Linear:
+        """Quantize an (out, in) float weight: s = max|w| / 127 per row (rounded to the compute dtype
+        first, so the stored scale is the one the codes were made with), q = round(w / s)."""
+        w = weight.detach().float()
+        out_f, in_f = w.shape
+        scales = (w.abs().amax(dim=1) / 127).to(compute_dtype)
+        scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # all-zero rows
+        q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        padded = -(-in_f // 16) * 16
+        q = F.pad(q, (0, padded - in_f))
+        return cls(q, scales, in_f, bias)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.scales.dtype
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x, self.weight, self.scales)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        w = self.weight[:, :self.in_features]
+        return w.to(dtype) * self.scales.to(dtype)[:, None]
+
+
+class Int4Linear(QuantizedLinear):
+    """Asymmetric group-wise int4 on the int4pack kernel.
+
+    weight: (out, padded_in / 2) uint8, packed by `_convert_weight_to_int4pack_for_cpu`.
+    scales_and_zeros: (padded_in / group_size, out, 2) in the compute dtype, [..., 0] = s, [..., 1] = z,
+    meaning w = (q − 8) · s + z for the codes q in [0, 15] of that group.
+    """
+
+    kernel_max_rows = 128
+
+    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, in_features: int,
+                 bias: torch.Tensor | None = None):
+        out_f, padded = packed.shape[0], packed.shape[1] * 2
+        super().__init__(in_features, out_f, padded, bias)
+        _check_group_size(group_size)
+        if scales_and_zeros.shape != (padded // group_size, out_f, 2):
+            raise ValueError(f"scales_and_zeros must be {(padded // group_size, out_f, 2)}, "
+                             f"got {tuple(scales_and_zeros.shape)} (use from_float or from_codes)")
+        self.group_size = group_size
+        self.register_buffer("weight", packed)
+        self.register_buffer("scales_and_zeros", scales_and_zeros.contiguous())
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                   bias: torch.Tensor | None = None, *, in_features: int | None = None) -> Int4Linear:
+        """codes (out, in) in [0, 15]; scales/zeros (out, in / group_size), already in the compute dtype,
+        with w = (q − 8) · s + z. `in_features` < codes.shape[1] marks trailing padding columns."""
+        out_f, k = codes.shape
+        _check_group_size(group_size)
+        if out_f % 16:
+            raise ValueError(f"the int4 kernel needs out_features divisible by 16, got {out_f}; "
+                             "keep this layer in float or use scheme='int8'")
+        if k % group_size:
+            raise ValueError(f"in_features {k} is not divisible by group_size {group_size}")
+        packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+        sz = torch.stack([scales.t(), zeros.t()], dim=-1)  # (groups, out, 2)
+        return cls(packed, sz, group_size, k if in_features is None else in_features, bias)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group_size: int = 32,
+                   compute_dtype: torch.dtype = torch.bfloat16) -> Int4Linear:
+        """Min/max quantization per group: s = (max − min) / 15, z = min + 8s (both rounded to the compute
+        dtype before the codes are made), q = clamp(round((w − z) / s) + 8, 0, 15).
+
+        in_features not divisible by group_size: the weight is zero-padded to the next multiple (the
+        last group then also spans some zero columns) and inputs are zero-padded per call.
+        """
+        _check_group_size(group_size)
+        w = weight.detach().float()
+        out_f, in_f = w.shape
+        padded = -(-in_f // group_size) * group_size
+        w = F.pad(w, (0, padded - in_f)).view(out_f, padded // group_size, group_size)
+        lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+        scales = ((hi - lo) / 15).to(compute_dtype)
+        scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # constant groups
+        zeros = (lo + 8 * scales.float()).to(compute_dtype)
+        q = torch.round((w - zeros.float()[..., None]) / scales.float()[..., None]) + 8
+        codes = q.clamp(0, 15).to(torch.uint8).view(out_f, padded)
+        return cls.from_codes(codes, scales, zeros, group_size, bias, in_features=in_f)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.scales_and_zeros.dtype
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(x, self.weight, self.group_size, self.scales_and_zeros)
+
+    def codes(self) -> torch.Tensor:
+        """The (out, padded_in) uint8 codes in [0, 15]."""
+        return _unpack_int4(self.weight, self.out_features, self.padded_in)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, rows: int = 256) -> torch.Tensor:
+        n, k, g = self.out_features, self.padded_in, self.group_size
+        # float64 makes (q − 8)·s + z one rounding, like the kernel's fused multiply-add in fp32.
+        work = torch.float64 if dtype == torch.float32 else torch.float32
+        out = torch.empty(n, self.in_features, dtype=dtype, device=self.weight.device)
+        for r0 in range(0, n, rows):  # row chunks (a multiple of 64) keep the float temporaries in cache
+            r1 = min(n, r0 + rows)
+            s, z = (self.scales_and_zeros[:, r0:r1, i].t().to(work).contiguous()[..., None] for i in (0, 1))
+            q = _unpack_int4(self.weight[r0:r1], r1 - r0, k).view(torch.int8).sub_(8)
+            w = q.view(r1 - r0, k // g, g).to(work).mul_(s).add_(z)
+            out[r0:r1] = w.view(r1 - r0, k)[:, :self.in_features]
+        return out
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", group_size={self.group_size}"
+
+
+def _unpack_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Invert `_convert_weight_to_int4pack_for_cpu` (layout in the module docstring) → (n, k) uint8 codes."""
+    out = torch.empty(n, k, dtype=torch.uint8, device=packed.device)
+    full = n // 64 * 64
+    if full:  # transpose the bytes first, then each nibble plane is 32 whole rows
+        p = packed[:full].view(full // 64, k, 32).transpose(1, 2)
+        rows = out[:full].view(full // 64, 2, 32, k)
+        torch.bitwise_and(p, 15, out=rows[:, 0])
+        torch.bitwise_right_shift(p, 4, out=rows[:, 1])
+    if n > full:
+        p = packed[full:].reshape(k, (n - full) // 2)
+        out[full:] = torch.stack([p & 15, p >> 4], dim=2).reshape(k, n - full).t()
+    return out
+
+
+def _linears(model: nn.Module, quantize_lm_head: bool) -> list[tuple[str, nn.Linear]]:
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and (quantize_lm_head or name.rsplit(".", 1)[-1] != "lm_head")]
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, scheme: str = "int8", group_size: int = 32, *,
+                   quantize_lm_head: bool = True, compute_dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """Replace every `nn.Linear` of `model` in place with an `Int8Linear` or `Int4Linear`; returns `model`.
+
+    scheme: "int8" (per-channel symmetric) or "int4" (group-wise asymmetric, `group_size` in
+    32/64/128/256; in_features not divisible by it are zero-padded, see `Int4Linear.from_float`).
+    The default group of 32 costs 1/8 byte per weight more than 128 and runs about as fast; on
+    SmolLM2 (whose weights come from a Q4_1 file) its perplexity stayed within 0.1% of fp32 while
+    group 128 added ~60% (LM head kept in float; with it in int4 too, +6% and +116%).
+    quantize_lm_head=False keeps the LM head in float. A tied LM head gets its own quantized copy;
+    the embedding stays as it is. int4 layers whose out_features is not a multiple of 16 (a kernel
+    requirement) stay `nn.Linear`, with a warning naming them.
+    """
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown quantization scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
+    if scheme == "int4":
+        _check_group_size(group_size)
+    _check_compute_dtype(compute_dtype)
+    kept = []
+    for name, linear in _linears(model, quantize_lm_head):
+        bias = None if linear.bias is None else linear.bias.detach()
+        if scheme == "int8":
+            q = Int8Linear.from_float(linear.weight, bias, compute_dtype=compute_dtype)
+        elif linear.out_features % 16:
+            kept.append(name)
+            continue
+        else:
+            q = Int4Linear.from_float(linear.weight, bias, group_size=group_size, compute_dtype=compute_dtype)
+        _replace(model, name, q.to(linear.weight.device))
+    if kept:
+        warnings.warn(f"int4 needs out_features divisible by 16; kept in float: {', '.join(kept)}", stacklevel=3)
+    return model
+
+
+# ---- GGUF blocks → kernels -------------------------------------------------------------------
+
+_GGUF_SOURCES = {  # our fused module suffix → the HF tensors stacked in it, in order
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
+
+
+def gguf_int4_codes(data: np.ndarray, qtype_name: str, shape: tuple[int, int]):
+    """Q4_0 / Q4_1 raw blocks of an (out, in) tensor → (codes (out, in) uint8, d (out, in/32) fp32,
+    zero (out, in/32) fp32) with w = (q − 8)·d + zero: Q4_0 zero = 0, Q4_1 zero = m + 8d."""
+    out_f, in_f = shape
+    header = {"Q4_0": 2, "Q4_1": 4}[qtype_name]
+    blocks = np.ascontiguousarray(data).reshape(out_f, in_f // 32, header + 16)
+    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    qs = torch.from_numpy(blocks[..., header:].copy())  # byte i: element i (low nibble), element 16+i (high)
+    codes = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(out_f, in_f)
+    if qtype_name == "Q4_0":
+        zero = torch.zeros_like(d)
+    else:
+        m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+        zero = m + 8 * d  # exact in fp32 unless m and 8d are > 2^13 apart in magnitude
+    return codes, d, zero
+
+
+def gguf_linear(ckpt, hf_names: list[str], bias: torch.Tensor | None = None,
+                compute_dtype: torch.dtype = torch.bfloat16) -> QuantizedLinear | None:
+    """One quantized linear from the raw blocks of `hf_names` (rows stacked in that order), or None when
+    their GGUF types have no kernel mapping here (see `quantize_from_gguf`)."""
+    from gguf.quants import dequantize
+
+    raws = [ckpt.raw_tensor(n) for n in hf_names]
+    types = {qtype.name for _, qtype, _ in raws}
+    if types <= set(GGUF_INT4_TYPES) and sum(shape[0] for *_, shape in raws) % 16 == 0:
+        parts = [gguf_int4_codes(data, qtype.name, shape) for data, qtype, shape in raws]
+        codes, d, zero = (torch.cat(xs) for xs in zip(*parts))
+        module = Int4Linear.from_codes(codes, d.to(compute_dtype), zero.to(compute_dtype), 32, bias)
+    elif types <= set(GGUF_INT8_TYPES):
+        w = torch.cat([torch.from_numpy(dequantize(data, qtype).reshape(shape)) for data, qtype, shape in raws])
+        module = Int8Linear.from_float(w, bias, compute_dtype=compute_dtype)
+    else:
+        return None
+    module.source = "+".join(sorted(types))
+    return module
+
+
+@torch.no_grad()
+def quantize_from_gguf(model: nn.Module, ckpt, *, compute_dtype: torch.dtype = torch.bfloat16,
+                       quantize_lm_head: bool = True) -> nn.Module:
+    """Replace `model`'s linears with quantized ones built from the GGUF checkpoint's raw blocks; returns `model`.
+
+    `model` is the `Transformer` loaded from `ckpt` (its float weights are discarded for the layers
+    replaced; biases are kept). Per layer, by the GGUF type of its tensors (q/k/v and gate/up fused
+    in the order `checkpoint.from_hf_state_dict` uses):
+      Q4_0 / Q4_1 (mixable) → `Int4Linear`, group 32, codes copied exactly (module docstring);
+      Q8_0 → `Int8Linear`, requantized per channel (the kernel has no per-block scales);
+      anything else (F32, F16, K-quants, ...) → left as the dequantized `nn.Linear`.
+    With compute_dtype=float32 the Int4Linear's effective weight equals `gguf.quants.dequantize`
+    bit for bit; with bf16 the fp16 block scales d and zeros m + 8d are rounded to bf16 (8 bits).
+    """
+    _check_compute_dtype(compute_dtype)
+    names = set(ckpt.tensor_names)
+    for name, linear in _linears(model, quantize_lm_head):
+        if name == "lm_head":
+            sources = ["lm_head.weight" if "lm_head.weight" in names else "model.embed_tokens.weight"]
+        else:
+            parts = name.split(".")  # layers.{i}.self_attn.qkv_proj
+            prefix, key = ".".join(parts[:2]), ".".join(parts[2:])
+            if key not in _GGUF_SOURCES:
+                continue
+            sources = [f"model.{prefix}.{part}.weight" for part in _GGUF_SOURCES[key]]
+        if not all(s in names for s in sources):
+            continue
+        bias = None if linear.bias is None else linear.bias.detach()
+        module = gguf_linear(ckpt, sources, bias, compute_dtype)
+        if module is not None:
+            _replace(model, name, module)
+    return model
+
+
+def load_gguf_quantized(ref, *, compute_dtype: torch.dtype = torch.bfloat16, quantize_lm_head: bool = True):
+    """Like `tokenmind.pretrained.load_pretrained(ref)` for a GGUF file (path or alias), with the Q4_0/Q4_1/Q8_0
+    linears running on the int4/int8 kernels (`quantize_from_gguf`). Returns a `Pretrained`.
+
+    The weights are first dequantized to fp32 (peak memory = the fp32 model) and the linears then
+    swapped for quantized ones built from the raw blocks.
+    """
+    from ..pretrained import Pretrained, resolve_model_path  # pretrained.py imports model/, not the reverse
+    from ..tokenizer import Tokenizer
+    from .checkpoint import build_model
+    from .config import ModelConfig
+    from .gguf import read_gguf
+
+    path = resolve_model_path(ref)
+    if path.suffix != ".gguf":
+        raise ValueError(f"{path} is not a GGUF file; for float checkpoints load them and call quantize_model()")
+    ckpt = read_gguf(path)
+    model = build_model(ModelConfig.from_hf(ckpt.config), ckpt.load_state_dict(), source=str(path))
+    quantize_from_gguf(model, ckpt, compute_dtype=compute_dtype, quantize_lm_head=quantize_lm_head)
+    return Pretrained(model, Tokenizer.from_gguf(ckpt.tokenizer), path)
+
+
+def weight_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes held by the model's parameters and buffers (shared tensors counted once), split into the
+    linear layers (quantized or not) and everything else (embeddings, norms, RoPE tables)."""
+    seen, linear, other = set(), 0, 0
+    for module in model.modules():
+        is_linear = isinstance(module, (nn.Linear, QuantizedLinear))
+        for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
+            if t is None or t.data_ptr() in seen:
+                continue
+            seen.add(t.data_ptr())
+            n = t.numel() * t.element_size()
+            linear, other = (linear + n, other) if is_linear else (linear, other + n)
+    return {"linear": linear, "other": other, "total": linear + other}
