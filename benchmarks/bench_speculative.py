@@ -1,0 +1,202 @@
+"""Speculative decoding speed on SmolLM2-135M-Instruct (fp32, batch 1, greedy): plain `generate` vs
+n-gram (prompt-lookup) drafting at several k, and a self-speculative draft model.
+
+There is no smaller packaged model with SmolLM2's vocabulary, so the model drafter is a truncated
+copy of the target itself: its first `--draft-layers` blocks + final norm + LM head (weights shared,
+no training of an early exit). Prompts are chat-formatted; some ask to repeat / edit / correct /
+summarize text that is in the prompt (where prompt lookup should help) and some are open-ended.
+
+Every configuration runs in one process, alternating with plain decoding in each repeat so load
+hits all alike; medians are reported. Greedy speculative output is checked token for token against
+plain decoding. Prints JSON.
+
+    python benchmarks/bench_speculative.py [--max-tokens 128] [--ks 2,3,4,8] [--adaptive-ks 8] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+PARAGRAPH = (
+    "The printing press was invented by Johannes Gutenberg around 1440 in Mainz, Germany. It combined movable "
+    "metal type, an oil-based ink and a wooden screw press adapted from those used to make wine and olive oil. "
+    "Before it, books were copied by hand, which made them rare and expensive. Within fifty years, printing shops "
+    "had spread to more than two hundred cities across Europe, and millions of books had been produced. Cheaper "
+    "books helped spread literacy, allowed scientists to share their results quickly, and made it possible for new "
+    "ideas to reach many people at once. Historians often call it one of the most important inventions of the "
+    "second millennium."
+)
+TYPOS = (
+    "Teh printing press was invnted by Johannes Gutenberg arround 1440 in Mainz, Germany. It combined moveable "
+    "metal type, an oil-based ink and a woden screw press. Befor it, books were copyed by hand, wich made them "
+    "rare and expensiv. Within fifty yeers, printing shops had spred to more then two hundred citys across Europe."
+)
+CODE = '''def checkout(cart, prices, discount_codes, tax_rate=0.08):
+    total = 0.0
+    for item, quantity in cart.items():
+        if item not in prices:
+            raise KeyError(f"unknown item: {item}")
+        total += prices[item] * quantity
+    for code in discount_codes:
+        if code == "SAVE10":
+            total = total * 0.9
+        elif code == "FREESHIP":
+            total = total - 5.0
+    if total < 0:
+        total = 0.0
+    tax = total * tax_rate
+    return round(total + tax, 2)
+'''
+
+PROMPTS = [  # (name, prompt lookup expected to help, user message)
+    ("repeat_text", True, "Repeat the following text exactly, word for word:\n\n" + PARAGRAPH),
+    ("code_rename", True, "Rename the variable `total` to `subtotal` everywhere in this Python function and "
+                          "output the complete updated function:\n\n```python\n" + CODE + "```"),
+    ("fix_typos", True, "Correct the spelling mistakes in this text and output the corrected text:\n\n" + TYPOS),
+    ("summarize", True, "Summarize the following text in a few sentences:\n\n" + PARAGRAPH),
+    ("story", False, "Write a short story about a robot who learns to paint."),
+    ("explain", False, "Explain how vaccines train the immune system."),
+]
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--ks", default="2,3,4,8", help="comma-separated draft lengths for the n-gram drafter")
+    ap.add_argument("--adaptive-ks", default="8", help="n-gram configs with adaptive draft length (k = ceiling); "
+                                                       "empty skips them")
+    ap.add_argument("--max-ngram", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--draft-layers", type=int, default=6, help="truncated self-draft depth; 0 skips it")
+    ap.add_argument("--draft-k", type=int, default=3)
+    ap.add_argument("--draft-repeats", type=int, default=1, help="the truncated draft is slow; time it fewer times")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (default 1: on a shared 2-core machine a second thread slows decode ~10x)")
+    ap.add_argument("--prompts", default=None, help="comma-separated subset of prompt names")
+    ap.add_argument("--out", default=None, help="also write the JSON here")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from tokenmind.engine.generate import generate
+    from tokenmind.engine.sampling import SamplingParams
+    from tokenmind.engine.speculative import ModelDrafter, NgramDrafter, speculative_generate, truncated_draft
+    from tokenmind.pretrained import load_pretrained
+
+    pre = load_pretrained(args.model, dtype=torch.float32)
+    model, tok = pre.model.eval(), pre.tokenizer
+    eos = tok.eos_token_ids
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
+    ks = [int(k) for k in args.ks.split(",") if k]
+    adaptive_ks = [int(k) for k in args.adaptive_ks.split(",") if k]
+    wanted = set(args.prompts.split(",")) if args.prompts else None
+    draft = truncated_draft(model, args.draft_layers) if args.draft_layers else None
+    load_start = os.getloadavg()[0]
+
+    rows = []
+    for name, helps, message in PROMPTS:
+        if wanted and name not in wanted:
+            continue
+        ids = tok.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True)
+        with torch.inference_mode():
+            prefill_s = min(timed(lambda: model.hidden_states(torch.tensor([ids])))[0] for _ in range(2))
+        ref = generate(model, ids, params, eos)  # also the warm-up
+        n = len(ref.token_ids)
+        configs = {"plain": lambda: (generate(model, ids, params, eos), None)}
+        for k in ks:
+            configs[f"ngram_k{k}"] = (lambda k=k: speculative_generate(
+                model, ids, params, NgramDrafter(max_ngram=args.max_ngram), k=k, eos_token_ids=eos))
+        for k in adaptive_ks:
+            configs[f"ngram_k{k}_adaptive"] = (lambda k=k: speculative_generate(
+                model, ids, params, NgramDrafter(max_ngram=args.max_ngram), k=k, eos_token_ids=eos, adaptive=True))
+        times: dict[str, list[float]] = {c: [] for c in configs}
+        stats, identical = {}, {}
+        for _ in range(args.repeats):
+            for cname, fn in configs.items():
+                dt, (out, st) = timed(fn)
+                times[cname].append(dt)
+                identical[cname] = out.token_ids == ref.token_ids
+                if st is not None:
+                    stats[cname] = st.as_dict()
+        if draft is not None:
+            cname = f"self_draft_{args.draft_layers}of{model.cfg.num_hidden_layers}_k{args.draft_k}"
+            times[cname] = []
+            for _ in range(args.draft_repeats):
+                dt, (out, st) = timed(lambda: speculative_generate(model, ids, params, ModelDrafter(draft),
+                                                                   k=args.draft_k, eos_token_ids=eos))
+                times[cname].append(dt)
+                identical[cname] = out.token_ids == ref.token_ids
+                stats[cname] = st.as_dict()
+            times["plain"].append(timed(configs["plain"])[0])  # keep plain side by side with it
+        med = {c: statistics.median(v) for c, v in times.items()}
+        row = {"prompt": name, "lookup_expected_to_help": helps, "prompt_tokens": len(ids), "generated_tokens": n,
+               "finish_reason": ref.finish_reason, "prefill_s": round(prefill_s, 3),
+               "output_head": tok.decode(ref.token_ids[:40]), "configs": {}}
+        for c in times:
+            row["configs"][c] = {
+                "median_s": round(med[c], 3),
+                "tok_s": round(n / med[c], 2),
+                "decode_tok_s": round(n / max(med[c] - prefill_s, 1e-9), 2),
+                "speedup": round(med["plain"] / med[c], 3),
+                "identical_to_plain": identical.get(c, True),
+                "runs": len(times[c]),
+                **({"stats": stats[c]} if c in stats else {}),
+            }
+        rows.append(row)
+        print(json.dumps({"prompt": name, **{c: (v["speedup"], v.get("stats", {}).get("acceptance_rate"))
+                                             for c, v in row["configs"].items()}}), file=sys.stderr, flush=True)
+
+    def geomean(xs):
+        return round(statistics.geometric_mean(xs), 3) if xs else None
+
+    summary = {}
+    for c in rows[0]["configs"] if rows else []:
+        for helps in (True, False):
+            sel = [r["configs"][c] for r in rows if r["lookup_expected_to_help"] == helps and c in r["configs"]]
+            key = f"{c}|{'lookup_prompts' if helps else 'open_prompts'}"
+            summary[key] = {"geomean_speedup": geomean([s["speedup"] for s in sel]),
+                            "mean_acceptance": (round(statistics.mean(s["stats"]["acceptance_rate"] for s in sel), 3)
+                                                if sel and "stats" in sel[0] else None),
+                            "all_identical": all(s["identical_to_plain"] for s in sel)}
+    result = {
+        "benchmark": "speculative_decoding_batch1_greedy",
+        "model": pre.name,
+        "dtype": "float32",
+        "threads": torch.get_num_threads(),
+        "max_tokens": args.max_tokens,
+        "ks": ks,
+        "adaptive_ks": adaptive_ks,
+        "max_ngram": args.max_ngram,
+        "repeats": args.repeats,
+        "draft_model": (f"truncated self-draft: first {args.draft_layers} of {model.cfg.num_hidden_layers} layers "
+                        "+ final norm + LM head of the target (shared weights, untrained exit)") if draft else None,
+        "timing": "end to end per request (prefill included; decode_tok_s subtracts a separately timed prefill)",
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+                    "loadavg_1m_start": round(load_start, 2), "loadavg_1m_end": round(os.getloadavg()[0], 2)},
+        "summary": summary,
+        "prompts": rows,
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
