@@ -275,8 +275,13 @@ def write_tiny_gguf(path: Path) -> Path:
 
 
 def fused_reference(ckpt, names: list[str]) -> torch.Tensor:
-    """What the float loader builds: gguf.quants.dequantize per tensor (q/k unpermuted), rows stacked."""
-    return torch.cat([ckpt.tensor(n) for n in names])
+    """`gguf.quants.dequantize` of each tensor's blocks (q/k rows back in HF order), rows stacked."""
+    parts = []
+    for name in names:
+        data, qtype, shape = ckpt.raw_tensor(name)
+        parts.append(torch.from_numpy(np.array(dequantize(data, qtype)).reshape(shape)))
+        assert torch.equal(parts[-1], ckpt.tensor(name))  # the float loader builds the same weights
+    return torch.cat(parts)
 
 
 def test_gguf_blocks_map_exactly_onto_the_kernels(tmp_path):
