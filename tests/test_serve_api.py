@@ -207,6 +207,6 @@ def test_config_is_local_by_default_and_warns_when_exposed(caplog):
         warn_if_exposed(ServeConfig(model="smollm2", host="0.0.0.0"))
         assert "WITHOUT an API key" in caplog.text
     with pytest.raises(ValueError, match="quantization"):
-        ServeConfig(model="smollm2", quantization="int8")
+        ServeConfig(model="smollm2", quantization="int3")
     with pytest.raises(ValueError, match="api_key"):
         ServeConfig(model="smollm2", api_key=" ")

@@ -71,11 +71,12 @@ def test_convert_to_hf_dir_loads_in_transformers(ours, tmp_path):
         assert (hf2(ids).logits - ours.model(ids)).abs().max().item() <= 1e-4
 
 
-def test_cli_generate_prints_the_continuation(capsys):
-    assert main(["generate", "--model", "smollm2", "--max-tokens", "8", "The capital of France is"]) == 0
+@pytest.mark.parametrize("quantize", [[], ["--quantize", "int8"], ["--quantize", "int4"]])
+def test_cli_generate_prints_the_continuation(capsys, quantize):
+    assert main(["generate", "--model", "smollm2", "--max-tokens", "8", *quantize, "The capital of France is"]) == 0
     out = capsys.readouterr()
     assert "Paris" in out.out
-    assert "tok/s" in out.err
+    assert "tok/s" in out.err and (not quantize or quantize[1] in out.err)
 
 
 def test_cli_chat_repl(monkeypatch, capsys):

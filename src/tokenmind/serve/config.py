@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..pretrained import QUANTIZATIONS
+
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
@@ -29,7 +31,7 @@ class ServeConfig:
     max_num_seqs: int = 64  # sequences decoded together in one engine step
     max_queue: int = 256  # requests that may wait for a running slot; beyond that: 429
     max_model_len: int | None = None  # longest prompt + output; None = the model's context window
-    quantization: str | None = None  # weight-only quantization scheme, once the engine offers one
+    quantization: str | None = None  # weight-only quantization of the linears: None, "int8" or "int4"
     shutdown_timeout: float = 30.0  # seconds in-flight requests may run after SIGTERM before being aborted
     retry_after: int = 1  # seconds a 429 tells the client to wait
     log_level: str = "info"
@@ -48,9 +50,9 @@ class ServeConfig:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
         if self.retry_after < 1:
             raise ValueError(f"retry_after must be >= 1 second, got {self.retry_after}")
-        if self.quantization is not None:
-            raise ValueError(f"quantization={self.quantization!r}: the engine has no weight-only quantization yet; "
-                             "leave it unset (serve with --dtype bfloat16 to halve memory instead)")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"quantization={self.quantization!r}: choose one of {', '.join(QUANTIZATIONS)} "
+                             "or leave it unset for float weights")
 
     @property
     def model_name(self) -> str:
