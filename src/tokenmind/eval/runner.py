@@ -19,13 +19,14 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..pretrained import Pretrained, load_pretrained
+from ..pretrained import QUANTIZATIONS, Pretrained, load_pretrained
 from .code import evaluate_humaneval
 from .generative import default_fewshot, evaluate_gsm8k
 from .multiple_choice import FORMATS, evaluate_mc, num_choices
@@ -55,6 +56,7 @@ class EvalConfig:
     batch_size: int = 32  # sequences per forward pass (choices, or generations running at once)
     seed: int = 0  # picks the `limit` sample and the few-shot examples
     dtype: str = "float32"  # weights: float32, bfloat16 (AMX/tensor cores: faster, slightly noisier)
+    quantize: str | None = None  # None, "int8" or "int4": weight-only quantized linear layers (`load_pretrained`)
     num_fewshot: int | None = None  # None: 0 for multiple choice; GSM8K 0 for chat models, 8 for base
     max_tokens: int = 256  # generation budget per answer (gsm8k, humaneval)
     shards_dir: str | None = None  # val_loss: a token-shard folder with a val split
@@ -74,6 +76,8 @@ class EvalConfig:
             raise ValueError(f"unknown or no tasks {unknown}; choose from {', '.join(TASKS)}")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit must be >= 1 (or None for every item), got {self.limit}")
+        if self.quantize is not None and self.quantize not in QUANTIZATIONS:
+            raise ValueError(f"unknown quantize {self.quantize!r}; choose one of {', '.join(QUANTIZATIONS)} (or None)")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.num_fewshot is not None and self.num_fewshot < 0:
@@ -109,7 +113,10 @@ def run_eval(cfg: EvalConfig, pretrained: Pretrained | None = None) -> dict[str,
     if "perplexity" in cfg.tasks and not Path(cfg.text_file).is_file():
         raise FileNotFoundError(f"perplexity text_file {cfg.text_file} does not exist")
     start = time.perf_counter()
-    pretrained = pretrained or load_pretrained(cfg.model, dtype=cfg.dtype)
+    if pretrained is None:
+        pretrained = load_pretrained(cfg.model, dtype=cfg.dtype, quantize=cfg.quantize)
+        if cfg.progress:
+            print(f"loaded {pretrained.name} in {time.perf_counter() - start:.1f}s", file=sys.stderr)
     model, tokenizer = pretrained.model.eval(), pretrained.tokenizer
     results: dict[str, Any] = {"model": pretrained.name, "path": str(pretrained.path), "config": asdict(cfg),
                                "tasks": {}}
