@@ -1,0 +1,54 @@
+"""What every benchmark here shares: timing, the machine description, JSON output, and the peer venv.
+
+Peers (llama.cpp) live in their own virtual environment, `benchmarks/.venv-peers`, made by
+`benchmarks/setup_peers.sh`; benchmarks run them as subprocesses so that no peer becomes a
+dependency of tokenmind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+PEER_VENV = HERE / ".venv-peers"
+PEER_PYTHON = PEER_VENV / "bin" / "python"
+PEER_SETUP = "bash benchmarks/setup_peers.sh"
+
+
+def timed(fn) -> float:
+    """Seconds one call of `fn()` takes."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def machine_info(**extra) -> dict:
+    """The facts a reader needs to judge a number: cores, threads, load, versions."""
+    info = {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "loadavg_1m": round(os.getloadavg()[0], 2)}
+    info.update(extra)
+    return info
+
+
+def emit(result: dict, out: str | None) -> None:
+    """Print the result as JSON and, if asked, write it to `out` (temp file + rename)."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    if out:
+        path = Path(out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text + "\n")
+        tmp.replace(path)
+
+
+def peer_python() -> Path | None:
+    """The peer venv's interpreter, or None until `benchmarks/setup_peers.sh` has finished."""
+    return PEER_PYTHON if (PEER_VENV / ".ready").exists() else None
