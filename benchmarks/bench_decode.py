@@ -1,7 +1,16 @@
-"""Batch-1 prefill and decode speed on SmolLM2-135M: tokenmind vs `transformers` on the same weights.
+"""Batch-1 prefill and decode speed on SmolLM2-135M: tokenmind (fp32, int8, int4) vs `transformers`
+(fp32) vs llama.cpp, all on the same GGUF file.
 
-Both load the same GGUF (dequantized to fp32) and run side by side in one process, alternating
-repeats so machine noise hits both alike; medians are reported. Prints JSON.
+- tokenmind fp32: the GGUF dequantized to float32 (`load_pretrained(path)`).
+- tokenmind int8 / int4: `load_pretrained(path, quantize=...)`; int4 copies the file's Q4_1 blocks
+  into PyTorch's int4 kernel unchanged, so it runs the very weights llama.cpp runs.
+- transformers: `from_pretrained(gguf_file=...)` in float32, `generate` greedy.
+- llama.cpp: `llama-cpp-python` on the file as shipped (Q4_1, Q8_0 embedding), in its own venv
+  (`bash benchmarks/setup_peers.sh`), one subprocess per repeat; skipped with a note if absent.
+
+All sides get the same token ids: a random `--prompt-len` prompt for prefill (time to the last
+position's logits) and a short prompt followed by `--decode-tokens` greedy tokens for decode.
+Repeats alternate between sides so machine noise hits all alike; medians are reported. Prints JSON.
 
     python benchmarks/bench_decode.py [--repeats 5] [--prompt-len 512] [--decode-tokens 128]
 """
@@ -10,106 +19,142 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-
-def timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import PEER_SETUP, emit, machine_info, peer_python, timed  # noqa: E402
 
 
-def main() -> None:
+def llamacpp_repeat(model: Path, threads: int, long_prompt: list[int], short_prompt: list[int], n: int) -> dict:
+    """One repeat of llama.cpp in the peer venv (load, warm-up, one timed prefill and decode)."""
+    job = {"model": str(model), "threads": threads, "long_prompt": long_prompt, "short_prompt": short_prompt,
+           "decode_tokens": n}
+    script = Path(__file__).resolve().parent / "peer_llamacpp.py"
+    out = subprocess.run([str(peer_python()), str(script), json.dumps(job)], capture_output=True, text=True,
+                         check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--model", default="smollm2", help="a .gguf file or alias (default smollm2)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--decode-tokens", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--threads", type=int, default=None, help="threads for every side (default: torch's choice)")
+    ap.add_argument("--sides", default="fp32,int8,int4,transformers,llama.cpp",
+                    help="comma-separated subset of fp32,int8,int4,transformers,llama.cpp")
     ap.add_argument("--out", default=None, help="also write the JSON here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-
-    import transformers
+    threads = torch.get_num_threads()
+    sides = args.sides.split(",")
 
     from tokenmind.engine.generate import generate
     from tokenmind.engine.sampling import SamplingParams
     from tokenmind.pretrained import load_pretrained, resolve_model_path
 
     path = resolve_model_path(args.model)
-    t0 = time.perf_counter()
-    ours = load_pretrained(path)
-    t_ours = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                           dtype=torch.float32).eval()
-    t_hf = time.perf_counter() - t0
-    hf.generation_config.eos_token_id = None  # both sides generate exactly --decode-tokens tokens
+    load_s: dict[str, float] = {}
+    ours = {}
+    for scheme in ("fp32", "int8", "int4"):
+        if scheme in sides:
+            t0 = time.perf_counter()
+            ours[scheme] = load_pretrained(path, quantize=None if scheme == "fp32" else scheme)
+            load_s[f"tokenmind_{scheme}"] = time.perf_counter() - t0
+    any_ours = ours[next(iter(ours))] if ours else load_pretrained(path)
 
     gen = torch.Generator().manual_seed(0)
-    long_prompt = torch.randint(100, ours.model.cfg.vocab_size, (1, args.prompt_len), generator=gen)
-    short_prompt = ours.tokenizer.encode("The history of the printing press begins")
+    long_prompt = torch.randint(100, any_ours.model.cfg.vocab_size, (1, args.prompt_len), generator=gen)
+    short_prompt = any_ours.tokenizer.encode("The history of the printing press begins")
     n = args.decode_tokens
     params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
 
-    def ours_prefill():
-        with torch.inference_mode():
-            ours.model.logits(ours.model.hidden_states(long_prompt)[:, -1])
+    fns: dict[str, tuple] = {}  # side → (prefill fn, decode fn)
+    for scheme, pre in ours.items():
+        def prefill(model=pre.model):
+            with torch.inference_mode():
+                model.logits(model.hidden_states(long_prompt)[:, -1])
 
-    def hf_prefill():
-        with torch.inference_mode():
-            hf(long_prompt, logits_to_keep=1)
+        def decode(model=pre.model):
+            assert len(generate(model, short_prompt, params).token_ids) == n
 
-    def ours_decode():
-        assert len(generate(ours.model, short_prompt, params).token_ids) == n
+        fns[f"tokenmind_{scheme}"] = (prefill, decode)
 
-    def hf_decode():
-        with torch.inference_mode():
-            out = hf.generate(torch.tensor([short_prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)
-        assert out.shape[1] == len(short_prompt) + n
+    notes = []
+    if "transformers" in sides:
+        import transformers
 
-    for fn in (ours_prefill, hf_prefill, ours_decode, hf_decode):  # warm-up
-        fn()
-    times: dict[str, list[float]] = {k: [] for k in ("ours_prefill", "hf_prefill", "ours_decode", "hf_decode")}
+        t0 = time.perf_counter()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                               dtype=torch.float32).eval()
+        load_s["transformers_fp32"] = time.perf_counter() - t0
+        hf.generation_config.eos_token_id = None  # generate exactly n tokens
+
+        def hf_prefill():
+            with torch.inference_mode():
+                hf(long_prompt, logits_to_keep=1)
+
+        def hf_decode():
+            with torch.inference_mode():
+                out = hf.generate(torch.tensor([short_prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+            assert out.shape[1] == len(short_prompt) + n
+
+        fns["transformers_fp32"] = (hf_prefill, hf_decode)
+
+    use_llama = "llama.cpp" in sides and peer_python() is not None
+    if "llama.cpp" in sides and not use_llama:
+        notes.append(f"llama.cpp skipped: its venv is missing; run `{PEER_SETUP}` once")
+
+    for prefill, decode in fns.values():  # warm-up
+        prefill()
+        decode()
+    times: dict[str, dict[str, list[float]]] = {k: {"prefill": [], "decode": []} for k in fns}
+    if use_llama:
+        times["llama.cpp_Q4_1"] = {"prefill": [], "decode": []}
+    llama_version = None
     for _ in range(args.repeats):
-        for name, fn in (("ours_prefill", ours_prefill), ("hf_prefill", hf_prefill),
-                         ("ours_decode", ours_decode), ("hf_decode", hf_decode)):
-            times[name].append(timed(fn))
-    med = {k: statistics.median(v) for k, v in times.items()}
+        for side, (prefill, decode) in fns.items():
+            times[side]["prefill"].append(timed(prefill))
+            times[side]["decode"].append(timed(decode))
+        if use_llama:
+            r = llamacpp_repeat(path, threads, long_prompt[0].tolist(), short_prompt, n)
+            assert r["decoded"] == n, r
+            times["llama.cpp_Q4_1"]["prefill"].append(r["prefill_s"])
+            times["llama.cpp_Q4_1"]["decode"].append(r["decode_s"])
+            load_s["llama.cpp_Q4_1"], llama_version = r["load_s"], r["llama_cpp"]
+
+    prefill_tok_s = {k: round(args.prompt_len / statistics.median(v["prefill"]), 1) for k, v in times.items()}
+    decode_tok_s = {k: round(n / statistics.median(v["decode"]), 1) for k, v in times.items()}
     result = {
         "benchmark": "decode_batch1",
-        "model": str(path.name),
-        "dtype": "float32",
-        "threads": torch.get_num_threads(),
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
-                    "loadavg_1m": os.getloadavg()[0], "torch": torch.__version__,
-                    "transformers": transformers.__version__},
+        "model": path.name,
         "prompt_len": args.prompt_len,
         "decode_tokens": n,
         "repeats": args.repeats,
-        "load_s": {"tokenmind": round(t_ours, 2), "transformers": round(t_hf, 2)},
-        "prefill_tok_s": {"tokenmind": round(args.prompt_len / med["ours_prefill"], 1),
-                          "transformers": round(args.prompt_len / med["hf_prefill"], 1)},
-        "decode_tok_s": {"tokenmind": round(n / med["ours_decode"], 1),
-                         "transformers": round(n / med["hf_decode"], 1)},
+        "machine": machine_info(threads=threads, llama_cpp=llama_version),
+        "load_s": {k: round(v, 2) for k, v in load_s.items()},
+        "prefill_tok_s": prefill_tok_s,
+        "decode_tok_s": decode_tok_s,
     }
-    result["ratio_vs_transformers"] = {
-        "prefill": round(med["hf_prefill"] / med["ours_prefill"], 2),
-        "decode": round(med["hf_decode"] / med["ours_decode"], 2),
-    }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    for peer in ("transformers_fp32", "llama.cpp_Q4_1"):
+        if peer in times:
+            result[f"decode_ratio_vs_{peer}"] = {k: round(v / decode_tok_s[peer], 2) for k, v in decode_tok_s.items()
+                                                 if k.startswith("tokenmind")}
+            result[f"prefill_ratio_vs_{peer}"] = {k: round(v / prefill_tok_s[peer], 2)
+                                                  for k, v in prefill_tok_s.items() if k.startswith("tokenmind")}
+    if notes:
+        result["notes"] = notes
+    emit(result, args.out)
+    return result
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -100,3 +100,13 @@ def test_new_sampling_params_are_validated(bad, match):
 
 def test_a_single_stop_string_becomes_a_list():
     assert SamplingParams(stop="\n").stop == ["\n"]
+
+
+def test_tiny_temperature_and_top_p_are_greedy_not_nan():
+    # 1e-30 would overflow logits / temperature to inf and make the softmax NaN.
+    params = SamplingParams(temperature=1e-30, top_p=1e-30)
+    assert params.greedy and params.top_p > 0
+    logits = torch.tensor([[0.0, 5.0, 1.0]])
+    assert sample_batch(logits, [seq([0], temperature=1e-30, top_p=1e-30)])[0] == [1]
+    sampled = SamplingParams(temperature=0.5, top_p=1e-30)
+    assert not torch.isnan(filter_batch(logits, [sampled]).softmax(-1)).any()

@@ -177,3 +177,14 @@ def test_document_ids_isolate_packed_documents():
         leaky = ours(packed)
     assert (got - alone).abs().max().item() <= TOL
     assert (leaky[:, 7:] - alone[:, 7:]).abs().max().item() > 1e-3  # without the mask, b would see a
+
+
+def test_single_document_rows_take_the_plain_causal_path():
+    """Rows that are one document each need no mask tensor (SDPA's causal kernel); mixed rows do."""
+    from tokenmind.model.transformer import AttnMask
+
+    slots = torch.arange(6)
+    single = AttnMask(slots, 6, None, None, document_ids=torch.tensor([[3] * 6, [0] * 6]))
+    assert single.causal and single.tensor is None
+    mixed = AttnMask(slots, 6, None, None, document_ids=torch.tensor([[0, 0, 0, 1, 1, 1], [0] * 6]))
+    assert not mixed.causal and mixed.tensor.shape == (2, 1, 6, 6) and not mixed.tensor[0, 0, 3, 2]

@@ -7,6 +7,12 @@ from dataclasses import dataclass, field
 import torch
 
 
+# Below this a temperature means greedy and a top_p means "the top token only": logits are divided
+# by the temperature and top_p is compared in float32, where a tiny value overflows to inf or rounds
+# to 0 and the draw fails with NaN probabilities (found by the server's fuzz test).
+SAMPLING_EPS = 1e-5
+
+
 @dataclass
 class SamplingParams:
     """How to pick each next token. temperature 0 means greedy (argmax).
@@ -39,6 +45,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.temperature < SAMPLING_EPS:
+            self.temperature = 0.0
+        self.top_p = max(self.top_p, SAMPLING_EPS)
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
         if self.repetition_penalty <= 0:

@@ -19,10 +19,6 @@ from ..engine.sampling import SamplingParams
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # n siblings use seed + i: still inside torch's 64-bit range
 MAX_N = 128
 MAX_LOGPROBS = 20
-# Below this, temperature means greedy and top_p means "the top token only": the engine divides
-# logits by the temperature and compares top_p in float32, where a tiny value overflows to inf or
-# rounds to 0 and the sampling step fails (found by test_serve_fuzz).
-SAMPLING_EPS = 1e-5
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 # OpenAI fields this server does not implement, with the values that ask for nothing: any other
@@ -92,9 +88,8 @@ class SamplingRequest(BaseModel):
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        temperature = 0.0 if self.temperature < SAMPLING_EPS else self.temperature
-        return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=self.top_k,
-                              top_p=max(self.top_p, SAMPLING_EPS), min_p=self.min_p, seed=self.seed, stop=stop,
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
+                              top_p=self.top_p, min_p=self.min_p, seed=self.seed, stop=stop,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty, n=self.n, ignore_eos=self.ignore_eos,
                               logprobs=self.num_logprobs())
