@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import subprocess
 import time
 from pathlib import Path
 
@@ -52,3 +53,24 @@ def emit(result: dict, out: str | None) -> None:
 def peer_python() -> Path | None:
     """The peer venv's interpreter, or None until `benchmarks/setup_peers.sh` has finished."""
     return PEER_PYTHON if (PEER_VENV / ".ready").exists() else None
+
+
+def run_llamacpp(job: dict) -> dict:
+    """Run one `peer_llamacpp.py` job in the peer venv and return its JSON answer."""
+    if peer_python() is None:
+        raise RuntimeError(f"the llama.cpp peer venv is missing; run `{PEER_SETUP}` once")
+    out = subprocess.run([str(PEER_PYTHON), str(HERE / "peer_llamacpp.py"), json.dumps(job)], capture_output=True,
+                         text=True)
+    if out.returncode:
+        raise RuntimeError(f"llama.cpp peer failed ({out.returncode}): {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile with linear interpolation (numpy's default); None for no values."""
+    if not values:
+        return None
+    xs = sorted(values)
+    k = (len(xs) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return round(xs[lo] + (xs[hi] - xs[lo]) * (k - lo), 5)

@@ -18,9 +18,7 @@ Repeats alternate between sides so machine noise hits all alike; medians are rep
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,17 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import PEER_SETUP, emit, machine_info, peer_python, timed  # noqa: E402
-
-
-def llamacpp_repeat(model: Path, threads: int, long_prompt: list[int], short_prompt: list[int], n: int) -> dict:
-    """One repeat of llama.cpp in the peer venv (load, warm-up, one timed prefill and decode)."""
-    job = {"model": str(model), "threads": threads, "long_prompt": long_prompt, "short_prompt": short_prompt,
-           "decode_tokens": n}
-    script = Path(__file__).resolve().parent / "peer_llamacpp.py"
-    out = subprocess.run([str(peer_python()), str(script), json.dumps(job)], capture_output=True, text=True,
-                         check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+from _common import PEER_SETUP, emit, machine_info, peer_python, run_llamacpp, timed  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -125,7 +113,8 @@ def main(argv: list[str] | None = None) -> dict:
             times[side]["prefill"].append(timed(prefill))
             times[side]["decode"].append(timed(decode))
         if use_llama:
-            r = llamacpp_repeat(path, threads, long_prompt[0].tolist(), short_prompt, n)
+            r = run_llamacpp({"model": str(path), "threads": threads, "long_prompt": long_prompt[0].tolist(),
+                              "short_prompt": short_prompt, "decode_tokens": n})
             assert r["decoded"] == n, r
             times["llama.cpp_Q4_1"]["prefill"].append(r["prefill_s"])
             times["llama.cpp_Q4_1"]["decode"].append(r["decode_s"])

@@ -7,14 +7,13 @@ the wire. Prints JSON.
 
 By default the script starts the server itself (the library call behind `tokenmind serve
 --model smollm2`) on a free local port and stops it afterwards; `--url` measures a server that is
-already running. `--peer-url` measures any other OpenAI-compatible server in the same run,
-level by level alternating with tokenmind so machine noise hits both alike — e.g. llama.cpp's:
+already running. A peer server is measured in the same run, level by level alternating with
+tokenmind so machine noise hits both alike: `--peer llama.cpp` starts llama.cpp's OpenAI server
+(`llama_cpp.server` from benchmarks/.venv-peers, made by `bash benchmarks/setup_peers.sh`) on the
+same GGUF; `--peer-url` measures any other running OpenAI-compatible server.
 
-    python -m llama_cpp.server --model $(python -c "from tokenmind.pretrained import resolve_model_path as r; \
-        print(r('smollm2'))") --n_threads 2 --port 8081 &     # PEERS.md says how to build llama-cpp-python
-    python benchmarks/bench_serve.py --peer-url http://127.0.0.1:8081 --peer-model smollm2
-
-    python benchmarks/bench_serve.py [--concurrency 1,4,16,64] [--max-tokens 64] [--out result.json]
+    python benchmarks/bench_serve.py [--concurrency 1,4,16,64] [--max-tokens 64] [--quantize int4] \
+        [--peer llama.cpp] [--out result.json]
 """
 
 from __future__ import annotations
@@ -22,15 +21,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import socket
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import PEER_PYTHON, PEER_SETUP, emit, machine_info, peer_python, percentile  # noqa: E402
 
 QUESTIONS = [
     "What is the capital of France?", "Explain photosynthesis in two sentences.", "Write a haiku about the sea.",
@@ -45,7 +46,8 @@ QUESTIONS = [
 SERVER = """
 from tokenmind.serve import ServeConfig, run_server
 run_server(ServeConfig(model={model!r}, port={port}, served_model_name="smollm2", dtype={dtype!r},
-                       kv_cache_bytes={kv}, max_num_seqs={seqs}, max_queue=1024, log_level="warning"))
+                       quantization={quantize!r}, kv_cache_bytes={kv}, max_num_seqs={seqs}, max_queue=1024,
+                       log_level="warning"))
 """
 
 
@@ -100,36 +102,52 @@ async def run_level(url: str, model: str, concurrency: int, num_requests: int, m
             "tpot_s": {"p50": percentile(tpot, 50), "p99": percentile(tpot, 99)}}
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear-interpolation percentile (numpy's default)."""
-    if not values:
-        return None
-    xs = sorted(values)
-    k = (len(xs) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return round(xs[lo] + (xs[hi] - xs[lo]) * (k - lo), 5)
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    seqs = max(int(c) for c in args.concurrency.split(","))
-    code = SERVER.format(model=args.model, port=port, dtype=args.dtype, kv=args.kv_cache_mib * 2**20, seqs=seqs)
-    proc = subprocess.Popen([sys.executable, "-c", code])
+def start_server(cmd: list[str], port: int, health: str) -> tuple[subprocess.Popen, str]:
+    """Start a server process and wait until `health` answers 200."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"the server exited with status {proc.returncode} while starting")
+            raise SystemExit(f"{cmd[0]} exited with status {proc.returncode} while starting")
         try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
+            if httpx.get(url + health, timeout=1).status_code == 200:
                 return proc, url
         except httpx.TransportError:
             pass
         time.sleep(0.2)
     proc.terminate()
-    raise SystemExit("the server did not become healthy within 300 s")
+    raise SystemExit(f"{' '.join(cmd[:3])} did not become healthy within 300 s")
+
+
+def start_tokenmind(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    seqs = max(int(c) for c in args.concurrency.split(","))
+    code = SERVER.format(model=args.model, port=port, dtype=args.dtype, quantize=args.quantize,
+                         kv=args.kv_cache_mib * 2**20, seqs=seqs)
+    return start_server([sys.executable, "-c", code], port, "/health")
+
+
+def start_llamacpp(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    """llama.cpp's OpenAI server on the same GGUF, with as many threads as torch uses here."""
+    from tokenmind.pretrained import resolve_model_path
+
+    import torch
+
+    if peer_python() is None:
+        raise SystemExit(f"--peer llama.cpp needs the peer venv; run `{PEER_SETUP}` once")
+    port = free_port()
+    threads = str(torch.get_num_threads())
+    cmd = [str(PEER_PYTHON), "-m", "llama_cpp.server", "--model", str(resolve_model_path(args.model)),
+           "--model_alias", args.peer_model, "--n_threads", threads, "--n_threads_batch", threads,
+           "--n_ctx", "2048", "--host", "127.0.0.1", "--port", str(port)]
+    return start_server(cmd, port, "/v1/models")
 
 
 def main() -> None:
@@ -140,7 +158,9 @@ def main() -> None:
     ap.add_argument("--url", default=None, help="measure this running tokenmind server instead of starting one")
     ap.add_argument("--served-model", default="smollm2", help="the `model` name to send to --url")
     ap.add_argument("--api-key", default=None)
-    ap.add_argument("--peer-url", default=None, help="an OpenAI-compatible peer server to measure alongside")
+    ap.add_argument("--quantize", choices=("int8", "int4"), default=None, help="weight quantization of the started server")
+    ap.add_argument("--peer", choices=("llama.cpp",), default=None, help="start this peer server and measure it too")
+    ap.add_argument("--peer-url", default=None, help="a running OpenAI-compatible peer server to measure alongside")
     ap.add_argument("--peer-model", default="smollm2", help="the `model` name the peer expects")
     ap.add_argument("--concurrency", default="1,4,16,64", help="comma-separated levels")
     ap.add_argument("--requests", type=int, default=None, help="requests per level (default: 2c, at least 8)")
@@ -148,9 +168,18 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args()
 
-    proc, url = (None, args.url) if args.url else start_server(args)
+    procs = []
+    if args.url:
+        url = args.url
+    else:
+        proc, url = start_tokenmind(args)
+        procs.append(proc)
     targets = {"tokenmind": (url, args.served_model)}
-    if args.peer_url:
+    if args.peer == "llama.cpp":
+        proc, peer_url = start_llamacpp(args)
+        procs.append(proc)
+        targets["llama.cpp"] = (peer_url, args.peer_model)
+    elif args.peer_url:
         targets["peer"] = (args.peer_url.rstrip("/"), args.peer_model)
     results: dict[str, list[dict]] = {name: [] for name in targets}
     try:
@@ -165,17 +194,18 @@ def main() -> None:
                       f"tok/s  TTFT p50 {level['ttft_s']['p50']:.3f}s  TPOT p50 {level['tpot_s']['p50']}",
                       file=sys.stderr)
     finally:
-        if proc is not None:
+        for proc in procs:
             proc.terminate()
             proc.wait(timeout=60)
     result = {"benchmark": "serve", "model": args.model, "max_tokens": args.max_tokens,
-              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+              "tokenmind": {"dtype": args.dtype, "quantize": args.quantize}, "machine": machine_info(),
               "targets": {name: t[0] for name, t in targets.items()}, "results": results}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    if len(results) == 2:
+        peer = [name for name in results if name != "tokenmind"][0]
+        result[f"output_tok_s_ratio_vs_{peer}"] = {
+            str(ours["concurrency"]): round(ours["output_tokens_per_s"] / theirs["output_tokens_per_s"], 2)
+            for ours, theirs in zip(results["tokenmind"], results[peer]) if theirs["output_tokens_per_s"]}
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

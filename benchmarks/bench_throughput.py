@@ -1,24 +1,33 @@
-"""Offline batched throughput on SmolLM2-135M: tokenmind's paged engine vs `transformers` batched generate.
+"""Offline batched throughput on SmolLM2-135M: tokenmind's paged engine vs `transformers` batched
+generate vs llama.cpp.
 
 A fixed, seeded set of requests with mixed prompt and output lengths arrives all at once.
-tokenmind runs them through continuous batching; transformers runs them as left-padded
-batches that each go on until their longest request is done (only requested tokens are
-counted for it). Same fp32 weights (dequantized from the same GGUF), same process. Prints JSON.
+- tokenmind runs them through continuous batching (weights dequantized from the GGUF to `--dtype`;
+  with `--quantize` also a second run on the int8/int4 kernels);
+- transformers runs them as left-padded batches that each go on until their longest request is
+  done (only requested tokens are counted for it), same `--dtype`, same process;
+- llama.cpp (`llama-cpp-python`, the file's own Q4_1 weights, in benchmarks/.venv-peers) runs
+  them one after another, the way its Python binding serves them (it has no batching).
+Peak memory: the process's peak RSS after each tokenmind run, and the KV pool's fixed size, which
+is all the engine allocates for the cache however many requests come. Prints JSON.
 
-    python benchmarks/bench_throughput.py [--requests 64] [--hf-batch 16]
+    python benchmarks/bench_throughput.py [--requests 64] [--hf-batch 16] [--quantize int4]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
 import resource
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import PEER_SETUP, emit, machine_info, peer_python, percentile, run_llamacpp  # noqa: E402
 
 
 def make_requests(n: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
@@ -29,11 +38,6 @@ def make_requests(n: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
         out_len = rng.choice([16, 32, 64, 128])
         reqs.append(([rng.randrange(100, vocab) for _ in range(prompt_len)], out_len))
     return reqs
-
-
-def percentile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
 
 
 def run_tokenmind(pretrained, reqs, kv_bytes: int):
@@ -76,36 +80,65 @@ def run_transformers(hf, reqs, batch: int):
             "completion_s": {"p50": round(statistics.median(ttft), 2), "p99": round(percentile(ttft, 99), 2)}}
 
 
-def main() -> None:
+def run_llama(path: Path, reqs, threads: int) -> dict:
+    r = run_llamacpp({"model": str(path), "threads": threads, "requests": reqs})
+    tokens = sum(n for _, n in reqs)
+    return {"seconds": round(r["seconds"], 2), "output_tok_s": round(tokens / r["seconds"], 1),
+            "ttft_s": {"p50": round(percentile(r["ttft_s"], 50), 3), "p99": round(percentile(r["ttft_s"], 99), 3)},
+            "tpot_s": {"p50": round(percentile(r["tpot_s"], 50), 4), "p99": round(percentile(r["tpot_s"], 99), 4)},
+            "llama_cpp": r["llama_cpp"], "weights": "Q4_1 as stored", "batching": "none (one request at a time)"}
+
+
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--kv-cache-mb", type=int, default=512, help="tokenmind KV-cache budget")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="weights and activations, both tokenmind and transformers (bfloat16 is ~2x faster here)")
+    ap.add_argument("--quantize", choices=("int8", "int4"), default=None, help="also run tokenmind quantized")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-hf", action="store_true")
-    args = ap.parse_args()
-
-    import transformers
+    ap.add_argument("--skip-llama", action="store_true")
+    ap.add_argument("--out", default=None, help="also write the JSON here")
+    args = ap.parse_args(argv)
 
     from tokenmind.pretrained import load_pretrained, resolve_model_path
 
     path = resolve_model_path(args.model)
-    ours = load_pretrained(path)
+    ours = load_pretrained(path, dtype=args.dtype)
     reqs = make_requests(args.requests, ours.model.cfg.vocab_size, args.seed)
-    result = {"benchmark": "throughput", "model": path.name, "dtype": "float32", "requests": len(reqs),
+    result = {"benchmark": "throughput", "model": path.name, "dtype": args.dtype, "requests": len(reqs),
               "prompt_tokens": sum(len(p) for p, _ in reqs), "output_tokens": sum(n for _, n in reqs),
-              "threads": torch.get_num_threads(), "loadavg_1m": os.getloadavg()[0]}
+              "machine": machine_info()}
     result["tokenmind"] = run_tokenmind(ours, reqs, args.kv_cache_mb * 2**20)
-    result["peak_rss_mb_after_tokenmind"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+    result["tokenmind"]["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+    if args.quantize:
+        del ours
+        quant = load_pretrained(path, quantize=args.quantize)
+        result[f"tokenmind_{args.quantize}"] = run_tokenmind(quant, reqs, args.kv_cache_mb * 2**20)
+        del quant
     if not args.skip_hf:
+        import transformers
+
         hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                               dtype=torch.float32).eval()
+                                                               dtype=getattr(torch, args.dtype)).eval()
         hf.generation_config.eos_token_id = None
         result["transformers"] = run_transformers(hf, reqs, args.hf_batch)
-        result["ratio_vs_transformers"] = round(result["tokenmind"]["output_tok_s"]
-                                                / result["transformers"]["output_tok_s"], 2)
-    print(json.dumps(result, indent=2))
+        del hf
+    if not args.skip_llama:
+        if peer_python() is None:
+            result["notes"] = [f"llama.cpp skipped: its venv is missing; run `{PEER_SETUP}` once"]
+        else:
+            result["llama.cpp_Q4_1"] = run_llama(path, reqs, torch.get_num_threads())
+    for peer in ("transformers", "llama.cpp_Q4_1"):
+        if peer in result:
+            result[f"ratio_vs_{peer}"] = {k: round(result[k]["output_tok_s"] / result[peer]["output_tok_s"], 2)
+                                          for k in result if k.startswith("tokenmind")}
+    result["machine"]["loadavg_1m_end"] = machine_info()["loadavg_1m"]
+    emit(result, args.out)
+    return result
 
 
 if __name__ == "__main__":

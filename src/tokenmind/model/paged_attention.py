@@ -60,10 +60,18 @@ class PagedAttentionMetadata:
         return len(self.seq_lens)
 
 
+def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """(num_blocks, bs, H, D) pool + (S, nb) block ids → (S, nb * bs, H, D), the sequences' entries in order.
+
+    index_select, not `cache[block_tables]`: on CPU advanced indexing is 1.3x (fp32) to 3x (bf16)
+    slower, and this gather is the largest cost of a batched decode step."""
+    S, nb = block_tables.shape
+    return cache.index_select(0, block_tables.reshape(-1)).view(S, nb * cache.shape[1], *cache.shape[2:])
+
+
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """(num_blocks, bs, H, D) + block ids → this sequence's first `length` entries as (H, length, D)."""
-    blocks = cache[block_table]  # (nb, bs, H, D)
-    return blocks.reshape(-1, *cache.shape[2:])[:length].transpose(0, 1)
+    return _gather_blocks(cache, block_table[None])[0, :length].transpose(0, 1)
 
 
 def _causal_mask(q_len: int, k_len: int, window: int | None, device) -> torch.Tensor:
@@ -95,8 +103,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
         d_lens = torch.tensor([lens[i] for i in decode], device=q.device)
         longest = int(d_lens.max())
         tables = meta.block_tables[decode][:, : -(-longest // cache.block_size)]
-        keys = k_cache[tables].flatten(1, 2)[:, :longest].transpose(1, 2)  # (S, H_kv, L, D)
-        vals = v_cache[tables].flatten(1, 2)[:, :longest].transpose(1, 2)
+        keys = _gather_blocks(k_cache, tables)[:, :longest].transpose(1, 2)  # (S, H_kv, L, D)
+        vals = _gather_blocks(v_cache, tables)[:, :longest].transpose(1, 2)
         k_pos = torch.arange(longest, device=q.device)[None, :]
         allowed = k_pos < d_lens[:, None]
         if window is not None:
