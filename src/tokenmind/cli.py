@@ -30,6 +30,19 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g.add_argument("--seed", type=int, default=None, help="random seed, for reproducible sampling")
 
 
+def _add_speculative_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative", default=None, metavar="ngram|MODEL",
+                   help="speculative decoding: 'ngram' drafts by prompt lookup (no second model; fast when the "
+                        "answer copies from the prompt), or a smaller draft model with the same tokenizer. "
+                        "Greedy output is unchanged; sampling keeps the same distribution")
+
+
+def _drafter(args, pretrained):
+    from .chat import make_drafter
+
+    return make_drafter(args.speculative, pretrained) if args.speculative else None
+
+
 def _sampling_params(args):
     from .engine.sampling import SamplingParams
 
@@ -52,26 +65,30 @@ def _load(args):
 def cmd_generate(args) -> None:
     from .chat import complete
     from .engine.generate import Generated
+    from .engine.speculative import SpecStats
 
     pretrained = _load(args)
     params = _sampling_params(args)
-    result = Generated([], "length")
+    drafter = _drafter(args, pretrained)
+    result, stats = Generated([], "length"), SpecStats()
     t0 = time.perf_counter()
     if args.echo:
         print(args.prompt, end="", flush=True)
-    for piece in complete(pretrained, args.prompt, params, result):
+    for piece in complete(pretrained, args.prompt, params, result, drafter, stats):
         print(piece, end="", flush=True)
     dt = time.perf_counter() - t0
     print()
+    spec = (f", {stats.acceptance_rate:.0%} of drafts accepted, {stats.tokens_per_forward:.2f} tokens/forward"
+            if drafter else "")
     print(f"[{len(result.token_ids)} tokens, {len(result.token_ids) / dt:.1f} tok/s, "
-          f"finish: {result.finish_reason}]", file=sys.stderr)
+          f"finish: {result.finish_reason}{spec}]", file=sys.stderr)
 
 
 def cmd_chat(args) -> None:
     from .chat import ChatSession
 
     pretrained = _load(args)
-    session = ChatSession(pretrained, _sampling_params(args), system=args.system)
+    session = ChatSession(pretrained, _sampling_params(args), system=args.system, drafter=_drafter(args, pretrained))
     if args.message is not None:  # one-shot: answer and exit (scripts, demos)
         for piece in session.send(args.message):
             print(piece, end="", flush=True)
@@ -206,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Print the model's continuation of PROMPT, streamed token by token.")
     _add_model_args(p)
     _add_sampling_args(p, max_tokens=64)
+    _add_speculative_args(p)
     p.add_argument("prompt", help="the text to continue")
     p.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
     p.set_defaults(func=cmd_generate)
@@ -214,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="A chat REPL: each reply streams as it is generated; history is kept.")
     _add_model_args(p)
     _add_sampling_args(p, max_tokens=256)
+    _add_speculative_args(p)
     p.add_argument("--system", default=None, help="system prompt (default: the chat template's own, if any)")
     p.add_argument("-m", "--message", default=None, help="answer this one message and exit (no REPL)")
     p.set_defaults(func=cmd_chat)
