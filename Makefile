@@ -1,10 +1,10 @@
-# Everything a fresh machine needs: `make demo` (main job) and `make test` (the test suite).
+# Everything a fresh machine needs: `make speedrun` (the main job) and `make test` (the test suite).
 VENV   ?= .venv
 PYTHON ?= python3
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup speedrun demo test test-fast bench peers clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml constraints.txt
 
 setup: $(STAMP)
 
+# Text → tokenizer → shards → pre-train → SFT → eval → runs/cpu/report.md, then chat with the result.
+speedrun: setup
+	$(BIN)/tokenmind speedrun --config cpu
+
 demo: setup
 	$(BIN)/tokenmind chat --model smollm2 --message "What is the capital of France? Answer in one sentence."
 
@@ -25,8 +29,13 @@ test: setup
 test-fast: setup
 	$(BIN)/pytest -q -m "not slow"
 
+# llama.cpp (the speed peer) in its own venv, benchmarks/.venv-peers: ~10 minutes to compile once.
+peers:
+	bash benchmarks/setup_peers.sh
+
 bench: setup
 	$(BIN)/python benchmarks/bench_decode.py
+	$(BIN)/python benchmarks/bench_throughput.py --dtype bfloat16
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -81,23 +81,28 @@ async def run_level(url: str, model: str, concurrency: int, num_requests: int, m
                     api_key: str | None) -> dict:
     queue = list(range(num_requests))
     results: list[dict] = []
+    errors: list[str] = []  # a failed request is counted, not fatal: peers differ in what they survive
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         async def worker() -> None:
             while queue:
                 i = queue.pop()
-                results.append(await one_request(client, url, model, QUESTIONS[i % len(QUESTIONS)], max_tokens,
-                                                 api_key))
+                try:
+                    results.append(await one_request(client, url, model, QUESTIONS[i % len(QUESTIONS)],
+                                                     max_tokens, api_key))
+                except httpx.HTTPError as e:
+                    errors.append(f"{type(e).__name__}: {e}"[:200])
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
     ttft = [r["ttft"] for r in results]
     tpot = [r["tpot"] for r in results if r["tpot"] is not None]
-    return {"concurrency": concurrency, "requests": len(results), "wall_s": round(wall, 3),
+    return {"concurrency": concurrency, "requests": len(results), "failed": len(errors),
+            "first_errors": sorted(set(errors))[:3], "wall_s": round(wall, 3),
             "requests_per_s": round(len(results) / wall, 3),
             "output_tokens_per_s": round(sum(r["tokens"] for r in results) / wall, 2),
-            "mean_output_tokens": round(statistics.mean(r["tokens"] for r in results), 1),
+            "mean_output_tokens": round(statistics.mean(r["tokens"] for r in results), 1) if results else 0,
             "ttft_s": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99)},
             "tpot_s": {"p50": percentile(tpot, 50), "p99": percentile(tpot, 99)}}
 
@@ -146,7 +151,7 @@ def start_llamacpp(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     threads = str(torch.get_num_threads())
     cmd = [str(PEER_PYTHON), "-m", "llama_cpp.server", "--model", str(resolve_model_path(args.model)),
            "--model_alias", args.peer_model, "--n_threads", threads, "--n_threads_batch", threads,
-           "--n_ctx", "2048", "--host", "127.0.0.1", "--port", str(port)]
+           "--n_ctx", "2048", "--verbose", "False", "--host", "127.0.0.1", "--port", str(port)]
     return start_server(cmd, port, "/v1/models")
 
 
@@ -191,8 +196,8 @@ def main() -> None:
                 level = asyncio.run(run_level(target, model, c, n, args.max_tokens, args.api_key))
                 results[name].append(level)
                 print(f"{name:>9} c={c:<3} {level['requests_per_s']:7.2f} req/s {level['output_tokens_per_s']:8.1f} "
-                      f"tok/s  TTFT p50 {level['ttft_s']['p50']:.3f}s  TPOT p50 {level['tpot_s']['p50']}",
-                      file=sys.stderr)
+                      f"tok/s  TTFT p50 {level['ttft_s']['p50']}s  TPOT p50 {level['tpot_s']['p50']}  "
+                      f"failed {level['failed']}", file=sys.stderr)
     finally:
         for proc in procs:
             proc.terminate()

@@ -9,7 +9,7 @@ The model stays ignorant of requests: it writes k/v by slot and reads them back 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -54,10 +54,47 @@ class PagedAttentionMetadata:
     query_start_loc: list[int]
     seq_lens: list[int]
     block_tables: torch.Tensor
+    _decode: dict = field(default_factory=dict, init=False, repr=False)  # window → DecodeBatch
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
+
+    def decode_batch(self, block_size: int, window: int | None) -> DecodeBatch | None:
+        """The single-token sequences as one padded batch; built once per step, shared by every layer."""
+        if window not in self._decode:
+            self._decode[window] = DecodeBatch.build(self, block_size, window)
+        batch = self._decode[window]
+        return batch if batch.rows.numel() else None
+
+
+@dataclass
+class DecodeBatch:
+    """Which rows of the step are single-token (decode) sequences, the blocks they read, and the
+    key-padding mask (None when every sequence has the same length)."""
+
+    rows: torch.Tensor  # (S,) positions of their tokens in the flattened step
+    block_tables: torch.Tensor  # (S, blocks covering the longest)
+    longest: int
+    mask: torch.Tensor | None  # (S, 1, 1, longest) bool, True = attend
+
+    @classmethod
+    def build(cls, meta: PagedAttentionMetadata, block_size: int, window: int | None) -> DecodeBatch:
+        starts, lens = meta.query_start_loc, meta.seq_lens
+        device = meta.block_tables.device
+        decode = [i for i in range(meta.num_seqs) if starts[i + 1] - starts[i] == 1]
+        rows = torch.tensor([starts[i] for i in decode], dtype=torch.int64, device=device)
+        if not decode:
+            return cls(rows, meta.block_tables[:0], 0, None)
+        d_lens = torch.tensor([lens[i] for i in decode], device=device)
+        longest = max(lens[i] for i in decode)
+        tables = meta.block_tables[decode][:, : -(-longest // block_size)]
+        k_pos = torch.arange(longest, device=device)[None, :]
+        allowed = k_pos < d_lens[:, None]
+        if window is not None:
+            allowed = allowed & (d_lens[:, None] - 1 - k_pos < window)
+        mask = None if bool(allowed.all()) else allowed[:, None, None, :]
+        return cls(rows, tables, longest, mask)
 
 
 def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -96,22 +133,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v)
 
-    out = torch.empty_like(q)
     starts, lens = meta.query_start_loc, meta.seq_lens
-    decode = [i for i in range(meta.num_seqs) if starts[i + 1] - starts[i] == 1]
-    if decode:
-        d_lens = torch.tensor([lens[i] for i in decode], device=q.device)
-        longest = int(d_lens.max())
-        tables = meta.block_tables[decode][:, : -(-longest // cache.block_size)]
-        keys = _gather_blocks(k_cache, tables)[:, :longest].transpose(1, 2)  # (S, H_kv, L, D)
-        vals = _gather_blocks(v_cache, tables)[:, :longest].transpose(1, 2)
-        k_pos = torch.arange(longest, device=q.device)[None, :]
-        allowed = k_pos < d_lens[:, None]
-        if window is not None:
-            allowed = allowed & (d_lens[:, None] - 1 - k_pos < window)
-        mask = None if bool(allowed.all()) else allowed[:, None, None, :]
-        rows = torch.tensor([starts[i] for i in decode], device=q.device)
-        out[rows] = attend(q[rows][:, :, None], keys, vals, mask)[:, :, 0]
+    dec = meta.decode_batch(cache.block_size, window)
+    if dec is not None:
+        keys = _gather_blocks(k_cache, dec.block_tables)[:, :dec.longest].transpose(1, 2)  # (S, H_kv, L, D)
+        vals = _gather_blocks(v_cache, dec.block_tables)[:, :dec.longest].transpose(1, 2)
+        if dec.rows.numel() == q.shape[0]:  # an all-decode step: no scatter into a bigger output
+            return attend(q[:, :, None], keys, vals, dec.mask)[:, :, 0]
+    out = torch.empty_like(q)
+    if dec is not None:
+        out[dec.rows] = attend(q[dec.rows][:, :, None], keys, vals, dec.mask)[:, :, 0]
     for i in range(meta.num_seqs):
         a, b = starts[i], starts[i + 1]
         if b - a == 1:
