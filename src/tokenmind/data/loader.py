@@ -60,24 +60,24 @@ class LoaderConfig:
             raise ValueError(f"rank must be in [0, world_size={self.world_size}), got {self.rank}")
 
 
-class PackedLoader:
-    """Infinite iterator of `Batch`es over one split; epochs follow each other seamlessly.
+class RowLoader:
+    """What every packed-row loader shares: an infinite iterator of `Batch`es whose epochs follow
+    each other seamlessly, a seeded row order per epoch, rank k taking every world_size-th row, and
+    an exact position (epoch, batch) that `state_dict`/`load_state_dict` save and restore.
 
     `batches_per_epoch` tells a training loop how many batches make one pass over this rank's
     rows; the trailing rows that do not fill a batch on every rank are skipped for that epoch
-    (a different permutation next epoch skips different ones).
+    (a different permutation next epoch skips different ones). Subclasses give `num_rows` and
+    build batches in `batch_for_rows`.
     """
 
-    def __init__(self, shards: TokenShards, cfg: LoaderConfig) -> None:
-        self.shards, self.cfg = shards, cfg
-        self.num_rows = max(shards.num_tokens - 1, 0) // cfg.seq_len
-        self.rows_per_rank = self.num_rows // cfg.world_size
+    def __init__(self, cfg: LoaderConfig, num_rows: int, source: str) -> None:
+        self.cfg, self.num_rows = cfg, num_rows
+        self.rows_per_rank = num_rows // cfg.world_size
         self.batches_per_epoch = self.rows_per_rank // cfg.batch_size
         if self.batches_per_epoch == 0:
-            raise ValueError(
-                f"{shards.num_tokens} tokens make {self.num_rows} rows of {cfg.seq_len}, too few "
-                f"for one batch of {cfg.batch_size} rows on each of {cfg.world_size} rank(s)"
-            )
+            raise ValueError(f"{source} make {num_rows} rows of {cfg.seq_len}, too few for one batch of "
+                             f"{cfg.batch_size} rows on each of {cfg.world_size} rank(s)")
         self.epoch = 0
         self.step = 0  # batches already yielded in the current epoch
         self._rows: tuple[int, np.ndarray] | None = None  # (epoch, its rows) cache
@@ -93,7 +93,7 @@ class PackedLoader:
             self._rows = (epoch, mine)
         return self._rows[1]
 
-    def __iter__(self) -> PackedLoader:
+    def __iter__(self) -> RowLoader:
         return self
 
     def __next__(self) -> Batch:
@@ -103,6 +103,32 @@ class PackedLoader:
         rows = self.rows_for_epoch(self.epoch)[self.step * size : (self.step + 1) * size]
         self.step += 1
         return self.batch_for_rows(rows)
+
+    def batch_for_rows(self, rows: np.ndarray) -> Batch:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """The exact position, plus what must not change for it to stay meaningful."""
+        return {"epoch": self.epoch, "step": self.step, "num_rows": self.num_rows, "config": asdict(self.cfg)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from `state_dict()`; refuses states from different data or a different layout."""
+        now = self.state_dict()
+        mismatched = [f"{key}: saved {value!r}, now {now['config'].get(key)!r}"
+                      for key, value in state["config"].items() if now["config"].get(key) != value]
+        if state["num_rows"] != self.num_rows:
+            mismatched.append(f"num_rows: saved {state['num_rows']}, now {self.num_rows}")
+        if mismatched:
+            raise ValueError("loader state does not match this data: " + "; ".join(mismatched))
+        self.epoch, self.step = int(state["epoch"]), int(state["step"])
+
+
+class PackedLoader(RowLoader):
+    """Pre-training batches: rows of seq_len + 1 consecutive tokens cut from the shards."""
+
+    def __init__(self, shards: TokenShards, cfg: LoaderConfig) -> None:
+        self.shards = shards
+        super().__init__(cfg, max(shards.num_tokens - 1, 0) // cfg.seq_len, f"{shards.num_tokens} tokens")
 
     def batch_for_rows(self, rows: np.ndarray) -> Batch:
         """Build the batch made of the given row indices (in that order)."""
@@ -120,26 +146,3 @@ class PackedLoader:
             doc_ids=torch.from_numpy(docs - docs[:, :1]),
             position_ids=torch.from_numpy(positions - segment_start),
         )
-
-    def state_dict(self) -> dict[str, Any]:
-        """The exact position, plus what must not change for it to stay meaningful."""
-        return {
-            "epoch": self.epoch,
-            "step": self.step,
-            "num_rows": self.num_rows,
-            "config": asdict(self.cfg),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from `state_dict()`; refuses states from a different dataset or layout."""
-        current = asdict(self.cfg)
-        mismatched = [
-            f"{key}: saved {value!r}, now {current.get(key)!r}"
-            for key, value in state["config"].items()
-            if current.get(key) != value
-        ]
-        if state["num_rows"] != self.num_rows:
-            mismatched.append(f"num_rows: saved {state['num_rows']}, now {self.num_rows}")
-        if mismatched:
-            raise ValueError("Loader state does not match this loader: " + "; ".join(mismatched))
-        self.epoch, self.step = int(state["epoch"]), int(state["step"])

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tokenmind.data.loader import Batch, LoaderConfig
+from tokenmind.data.loader import Batch, LoaderConfig, RowLoader
 from tokenmind.tokenizer import Tokenizer
 from tokenmind.train.trainer import IGNORE_INDEX
 
@@ -167,39 +167,13 @@ def pack(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
     return rows
 
 
-class ChatLoader:
-    """Infinite iterator of packed chat `Batch`es, with `PackedLoader`'s contract: a seeded row
-    order per epoch, rank k taking every world_size-th row, `batches_per_epoch`, and a position
-    (epoch, batch) that `state_dict`/`load_state_dict` save and restore exactly."""
+class ChatLoader(RowLoader):
+    """Packed chat `Batch`es with `RowLoader`'s contract (seeded order, ranks, exact resume)."""
 
     def __init__(self, examples: Sequence[Example], cfg: LoaderConfig) -> None:
-        self.examples, self.cfg = list(examples), cfg
+        self.examples = list(examples)
         self.rows = pack([len(e.inputs) for e in self.examples], cfg.seq_len)
-        self.rows_per_rank = len(self.rows) // cfg.world_size
-        self.batches_per_epoch = self.rows_per_rank // cfg.batch_size
-        if self.batches_per_epoch == 0:
-            raise ValueError(f"{len(self.examples)} conversations pack into {len(self.rows)} rows of {cfg.seq_len}, "
-                             f"too few for one batch of {cfg.batch_size} rows on each of {cfg.world_size} rank(s)")
-        self.epoch = 0
-        self.step = 0  # batches already yielded in the current epoch
-
-    def rows_for_epoch(self, epoch: int) -> np.ndarray:
-        """This rank's row indices for `epoch`, in the order they are served."""
-        order = np.arange(len(self.rows))
-        if self.cfg.shuffle:
-            order = np.random.default_rng([self.cfg.seed, epoch]).permutation(len(self.rows))
-        return order[self.cfg.rank :: self.cfg.world_size][: self.rows_per_rank]
-
-    def __iter__(self) -> ChatLoader:
-        return self
-
-    def __next__(self) -> Batch:
-        if self.step == self.batches_per_epoch:
-            self.epoch, self.step = self.epoch + 1, 0
-        size = self.cfg.batch_size
-        rows = self.rows_for_epoch(self.epoch)[self.step * size : (self.step + 1) * size]
-        self.step += 1
-        return self.batch_for_rows(rows)
+        super().__init__(cfg, len(self.rows), f"{len(self.examples)} conversations")
 
     def batch_for_rows(self, rows: Sequence[int]) -> Batch:
         """The batch of the given packed rows; the tail of each row is one padding document
@@ -217,16 +191,3 @@ class ChatLoader:
                 start = end
             docs[r, start:], positions[r, start:] = len(self.rows[row]), np.arange(shape[1] - start)
         return Batch(*(torch.from_numpy(a) for a in (inputs, targets, docs, positions)))
-
-    def state_dict(self) -> dict[str, Any]:
-        """The exact position, plus what must not change for it to stay meaningful."""
-        return {"epoch": self.epoch, "step": self.step, "num_rows": len(self.rows), "config": asdict(self.cfg)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from `state_dict()`; refuses states from different data or a different layout."""
-        now = self.state_dict()
-        mismatched = [f"{key}: saved {state[key]!r}, now {now[key]!r}" for key in ("num_rows", "config")
-                      if state[key] != now[key]]
-        if mismatched:
-            raise ValueError("chat loader state does not match this data: " + "; ".join(mismatched))
-        self.epoch, self.step = int(state["epoch"]), int(state["step"])
