@@ -24,9 +24,14 @@ PEER_SETUP = "bash benchmarks/setup_peers.sh"
 
 def timed(fn) -> float:
     """Seconds one call of `fn()` takes."""
+    return timed_call(fn)[0]
+
+
+def timed_call(fn):
+    """(seconds, result) of one call of `fn()`."""
     t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+    out = fn()
+    return time.perf_counter() - t0, out
 
 
 def machine_info(**extra) -> dict:

@@ -25,10 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
-import os
-import platform
 import statistics
 import sys
 import sysconfig
@@ -37,6 +34,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import emit, machine_info, timed  # noqa: E402
 
 VARIANTS = ("fp32", "bf16", "int8", "int4_g32", "int4_g128", "gguf_int4", "gguf_int4_exact")
 PPL_ONLY = {"gguf_int4_exact"}  # its fp32 int4 kernel is far too slow to be worth timing
@@ -67,10 +67,6 @@ def perplexity(model, token_ids: list[int], seq_len: int = 512, stride: int = 51
     return math.exp(nll / count)
 
 
-def timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def build_variants(names, pretrained, path):
@@ -247,9 +243,7 @@ def main() -> None:
         "benchmark": "weight_only_quantization",
         "model": path.name,
         "threads": torch.get_num_threads(),
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
-                    "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                    "loadavg_1m_at_end": round(os.getloadavg()[0], 2)},
+        "machine": machine_info(cpu_capability=torch.backends.cpu.get_cpu_capability()),
         "prompt_len": args.prompt_len,
         "decode_tokens": args.decode_tokens,
         "repeats": args.repeats,
@@ -261,13 +255,9 @@ def main() -> None:
         report["kernels"] = kernel_table(pretrained.model, max(args.repeats, 5))
     if args.crossover:
         rows = [int(r) for r in args.crossover.split(",")]
-        report["crossover"] = crossover_table({k: v for k, v in models.items() if k.startswith("int")}, rows,
+        report["crossover"] = crossover_table({k: v for k, v in models.items() if k not in ("fp32", "bf16")}, rows,
                                               args.repeats)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

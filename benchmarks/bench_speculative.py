@@ -18,12 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
-import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import emit, machine_info, timed_call  # noqa: E402
 
 PARAGRAPH = (
     "The printing press was invented by Johannes Gutenberg around 1440 in Mainz, Germany. It combined movable "
@@ -67,10 +69,6 @@ PROMPTS = [  # (name, prompt lookup expected to help, user message)
 ]
 
 
-def timed(fn):
-    t0 = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - t0, out
 
 
 def main() -> None:
@@ -114,7 +112,7 @@ def main() -> None:
             continue
         ids = tok.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True)
         with torch.inference_mode():
-            prefill_s = min(timed(lambda: model.hidden_states(torch.tensor([ids])))[0] for _ in range(2))
+            prefill_s = min(timed_call(lambda: model.hidden_states(torch.tensor([ids])))[0] for _ in range(2))
         ref = generate(model, ids, params, eos)  # also the warm-up
         n = len(ref.token_ids)
         configs = {"plain": lambda: (generate(model, ids, params, eos), None)}
@@ -128,7 +126,7 @@ def main() -> None:
         stats, identical = {}, {}
         for _ in range(args.repeats):
             for cname, fn in configs.items():
-                dt, (out, st) = timed(fn)
+                dt, (out, st) = timed_call(fn)
                 times[cname].append(dt)
                 identical[cname] = out.token_ids == ref.token_ids
                 if st is not None:
@@ -137,12 +135,12 @@ def main() -> None:
             cname = f"self_draft_{args.draft_layers}of{model.cfg.num_hidden_layers}_k{args.draft_k}"
             times[cname] = []
             for _ in range(args.draft_repeats):
-                dt, (out, st) = timed(lambda: speculative_generate(model, ids, params, ModelDrafter(draft),
+                dt, (out, st) = timed_call(lambda: speculative_generate(model, ids, params, ModelDrafter(draft),
                                                                    k=args.draft_k, eos_token_ids=eos))
                 times[cname].append(dt)
                 identical[cname] = out.token_ids == ref.token_ids
                 stats[cname] = st.as_dict()
-            times["plain"].append(timed(configs["plain"])[0])  # keep plain side by side with it
+            times["plain"].append(timed_call(configs["plain"])[0])  # keep plain side by side with it
         med = {c: statistics.median(v) for c, v in times.items()}
         row = {"prompt": name, "lookup_expected_to_help": helps, "prompt_tokens": len(ids), "generated_tokens": n,
                "finish_reason": ref.finish_reason, "prefill_s": round(prefill_s, 3),
@@ -186,16 +184,11 @@ def main() -> None:
         "draft_model": (f"truncated self-draft: first {args.draft_layers} of {model.cfg.num_hidden_layers} layers "
                         "+ final norm + LM head of the target (shared weights, untrained exit)") if draft else None,
         "timing": "end to end per request (prefill included; decode_tok_s subtracts a separately timed prefill)",
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
-                    "loadavg_1m_start": round(load_start, 2), "loadavg_1m_end": round(os.getloadavg()[0], 2)},
+        "machine": machine_info(loadavg_1m_start=round(load_start, 2)),
         "summary": summary,
         "prompts": rows,
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -21,18 +21,24 @@ class Generated:
     finish_reason: str  # "stop" (EOS / stop token) or "length" (max_tokens or context full)
 
 
-def stream_tokens(model: Transformer, prompt_ids: list[int], params: SamplingParams,
-                  eos_token_ids: Iterable[int] = (), result: Generated | None = None) -> Iterator[int]:
-    """Yield generated token ids one at a time. The stop token itself is not yielded.
-
-    If `result` is given it is filled in as generation goes (ids and finish reason).
-    """
+def check_prompt(model: Transformer, prompt_ids: list[int]) -> int:
+    """Refuse a prompt that is empty or fills the context window; return the window's length."""
     if not prompt_ids:
         raise ValueError("the prompt is empty; give at least one token (e.g. the BOS token)")
     context = model.cfg.max_position_embeddings
     if len(prompt_ids) >= context:
         raise ValueError(f"the prompt has {len(prompt_ids)} tokens but the model's context window is {context}; "
                          "shorten the prompt")
+    return context
+
+
+def stream_tokens(model: Transformer, prompt_ids: list[int], params: SamplingParams,
+                  eos_token_ids: Iterable[int] = (), result: Generated | None = None) -> Iterator[int]:
+    """Yield generated token ids one at a time. The stop token itself is not yielded.
+
+    If `result` is given it is filled in as generation goes (ids and finish reason).
+    """
+    context = check_prompt(model, prompt_ids)
     max_tokens = min(params.max_tokens, context - len(prompt_ids))
     stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
     result = result if result is not None else Generated([], "length")

@@ -28,7 +28,7 @@ from torch import nn
 
 from ..model.kv_cache import KVCache
 from ..model.transformer import Transformer
-from .generate import Generated
+from .generate import Generated, check_prompt
 from .sampling import SamplingParams, filter_logits, make_generator
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -266,12 +266,7 @@ def speculative_stream(model: Transformer, prompt_ids: list[int], params: Sampli
     """
     if k < 1:
         raise ValueError(f"k (draft tokens per round) must be >= 1, got {k}")
-    if not prompt_ids:
-        raise ValueError("the prompt is empty; give at least one token (e.g. the BOS token)")
-    context = model.cfg.max_position_embeddings
-    if len(prompt_ids) >= context:
-        raise ValueError(f"the prompt has {len(prompt_ids)} tokens but the model's context window is {context}; "
-                         "shorten the prompt")
+    context = check_prompt(model, prompt_ids)
     draft_vocab = getattr(drafter, "vocab_size", None)
     if draft_vocab is not None and draft_vocab != model.cfg.vocab_size:
         raise ValueError(f"the draft model's vocab_size is {draft_vocab} but the target's is "
