@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_eval_fixtures import EOS, ByteTokenizer
 
 from tokenmind.engine.config import EngineConfig
 from tokenmind.engine.generate import generate
@@ -13,24 +14,6 @@ from tokenmind.model.config import ModelConfig
 from tokenmind.model.paged_attention import PagedKVCache
 from tokenmind.model.transformer import Transformer
 from tokenmind.pretrained import Pretrained, load_pretrained
-from tokenmind.tokenizer.streaming import StreamDecoder
-
-EOS = 256
-
-
-class ByteTokenizer:
-    """Token id = one UTF-8 byte (so characters span tokens); 256 is EOS."""
-
-    eos_token_ids = {EOS}
-
-    def encode(self, text, add_special_tokens=False):
-        return list(text.encode())
-
-    def decode(self, ids, skip_special_tokens=False):
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-
-    def stream_decoder(self, skip_special_tokens=False):
-        return StreamDecoder(self.decode)
 
 
 def tiny_model(vocab=64, context=64):
