@@ -11,6 +11,11 @@ and gradient clipping, in one process. What runs:
 * reference: `loss = model(input_ids, labels=..., use_cache=False).loss`, backward,
   `clip_grad_norm_`, `torch.optim.AdamW(model.parameters())`, `zero_grad`; SDPA attention.
 
+Compilation: tokenmind runs as its speedrun configs train, with `train.compile=true` (model and
+loss compiled together; `--no-compile` for eager); the reference is the plain eager loop the
+project's target is stated against (`--compile-reference` compiles it too, for the like-for-like
+compiled comparison).
+
 Precision: `--dtype bf16` runs both under `torch.autocast(bfloat16)` with fp32 parameters and
 optimizer state (tokenmind's default `train.precision`); `--dtype fp32` runs both in plain fp32.
 
@@ -145,7 +150,7 @@ def _measure(args: argparse.Namespace, cfg: RunConfig, trainer: Trainer, transfo
     reference = transformers.LlamaForCausalLM(hf_cfg)
     reference.load_state_dict(to_hf_state_dict(trainer.model), strict=True)  # the same initial weights
     reference.to(device).train()
-    if args.compile:
+    if args.compile_reference:
         reference.compile()
     o = cfg.optim
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
@@ -196,7 +201,8 @@ def _measure(args: argparse.Namespace, cfg: RunConfig, trainer: Trainer, transfo
         "config": {"hidden_size": args.hidden_size, "layers": args.layers, "heads": args.heads,
                    "kv_heads": cfg.model.num_key_value_heads, "intermediate": args.intermediate,
                    "vocab": args.vocab, "batch": args.batch, "seq": args.seq, "steps": args.steps,
-                   "repeats": args.repeats, "warmup_steps": args.warmup, "compile": args.compile,
+                   "repeats": args.repeats, "warmup_steps": args.warmup,
+                   "compile": {"tokenmind": args.compile, "reference": args.compile_reference},
                    "device": str(device), "lr": o.lr, "weight_decay": o.weight_decay, "grad_clip": o.grad_clip},
         "precision": ("bf16 autocast, fp32 parameters and AdamW state, both sides" if precision == "bf16"
                       else "fp32, both sides"),
@@ -230,7 +236,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per side before the repeats")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    ap.add_argument("--compile", action="store_true", help="torch.compile both models")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                    help="tokenmind with train.compile=true, as the speedrun configs train (model and loss "
+                         "compiled as one graph); --no-compile for eager")
+    ap.add_argument("--compile-reference", action="store_true",
+                    help="also torch.compile the reference model (the issue's reference is the plain eager loop)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--out", default=None, help="also write the JSON here (atomically)")
     args = ap.parse_args(argv)

@@ -8,7 +8,8 @@ import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 TINY = ["--hidden-size", "32", "--layers", "1", "--heads", "2", "--intermediate", "64", "--vocab", "64",
-        "--batch", "2", "--seq", "16", "--steps", "2", "--repeats", "1", "--warmup", "1", "--device", "cpu"]
+        "--batch", "2", "--seq", "16", "--steps", "2", "--repeats", "1", "--warmup", "1", "--device", "cpu",
+        "--no-compile"]
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])

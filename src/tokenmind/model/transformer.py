@@ -126,7 +126,8 @@ class AttnMask:
 
     def __init__(self, q_slots: torch.Tensor, num_keys: int, key_mask: torch.Tensor | None,
                  sliding_window: int | None, document_ids: torch.Tensor | None = None):
-        if document_ids is not None and bool((document_ids == document_ids[:, :1]).all()):
+        if (document_ids is not None and not torch.compiler.is_compiling()  # a data-dependent branch breaks graphs
+                and bool((document_ids == document_ids[:, :1]).all())):
             document_ids = None  # one document per row: plain causal, so SDPA keeps its mask-free kernel
         self.q_slots, self.num_keys, self.key_mask, self.window = q_slots, num_keys, key_mask, sliding_window
         self.document_ids = document_ids

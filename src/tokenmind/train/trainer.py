@@ -92,16 +92,23 @@ def autocast(device: torch.device, precision: str):
 IGNORE_INDEX = -100  # a target with this id is not trained on (F.cross_entropy's default ignore_index)
 
 
-def next_token_loss(model: nn.Module, batch: Batch, device: torch.device, precision: str,
-                    reduction: str = "mean") -> torch.Tensor:
-    """Cross-entropy of `batch.targets` given `batch.input_ids` (mean or sum over the targets that
-    are not IGNORE_INDEX), attention kept within each packed document. The logits are upcast so
-    the softmax and loss are computed in fp32."""
-    ids, targets, docs, positions = (t.to(device, non_blocking=True) for t in batch)
-    with autocast(device, precision):
+def token_loss(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor, docs: torch.Tensor,
+               positions: torch.Tensor, precision: str, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of `targets` given `ids` (mean or sum over the targets that are not
+    IGNORE_INDEX), attention kept within each packed document. The logits are upcast so the
+    softmax and loss are computed in fp32. The unit `train.compile` compiles: with the loss
+    inside the graph the compiler fuses the upcast, log-softmax and gather over the vocabulary."""
+    with autocast(ids.device, precision):
         logits = model(ids, positions, document_ids=docs)
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
                            reduction=reduction)
+
+
+def next_token_loss(model: nn.Module, batch: Batch, device: torch.device, precision: str,
+                    reduction: str = "mean", loss_fn=token_loss) -> torch.Tensor:
+    """`token_loss` (or a compiled `loss_fn` of it) of a loader `Batch`, moved to `device`."""
+    ids, targets, docs, positions = (t.to(device, non_blocking=True) for t in batch)
+    return loss_fn(model, ids, targets, docs, positions, precision, reduction)
 
 
 def trained_targets(batch: Batch) -> int:
@@ -138,8 +145,7 @@ class Trainer:
         model = self._build_model()
         model.gradient_checkpointing = t.gradient_checkpointing
         model.to(ctx.device)
-        if t.compile:
-            model.compile()
+        self.loss_fn = torch.compile(token_loss) if t.compile else token_loss
         self.model = model  # the module whose state we save (sharded in place under fsdp)
         self.wrapped = wrap_model(model, ctx)  # the module we call in training
         self.params = list(model.parameters())
@@ -224,7 +230,7 @@ class Trainer:
         total = torch.zeros((), device=device)
         for micro, batch in enumerate(batches):
             with grad_sync(self.wrapped, enabled=micro == t.grad_accum - 1):
-                loss = next_token_loss(self.wrapped, batch, device, t.precision, reduction="sum") / count
+                loss = next_token_loss(self.wrapped, batch, device, t.precision, "sum", self.loss_fn) / count
                 loss.backward()
             total += loss.detach()
         grad_norm = float(clip_grad_norm(self.params, self.cfg.optim.grad_clip))
