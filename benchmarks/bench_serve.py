@@ -10,7 +10,9 @@ By default the script starts the server itself (the library call behind `tokenmi
 already running. A peer server is measured in the same run, level by level alternating with
 tokenmind so machine noise hits both alike: `--peer llama.cpp` starts llama.cpp's OpenAI server
 (`llama_cpp.server` from benchmarks/.venv-peers, made by `bash benchmarks/setup_peers.sh`) on the
-same GGUF; `--peer-url` measures any other running OpenAI-compatible server.
+same GGUF, with `--interrupt_requests False` (by default it cancels the request in flight whenever
+a new one arrives, which fails every concurrent stream but the last); `--peer-url` measures any
+other running OpenAI-compatible server.
 
     python benchmarks/bench_serve.py [--concurrency 1,4,16,64] [--max-tokens 64] [--quantize int4] \
         [--peer llama.cpp] [--out result.json]
@@ -151,7 +153,8 @@ def start_llamacpp(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     threads = str(torch.get_num_threads())
     cmd = [str(PEER_PYTHON), "-m", "llama_cpp.server", "--model", str(resolve_model_path(args.model)),
            "--model_alias", args.peer_model, "--n_threads", threads, "--n_threads_batch", threads,
-           "--n_ctx", "2048", "--verbose", "False", "--host", "127.0.0.1", "--port", str(port)]
+           "--n_ctx", "2048", "--verbose", "False", "--interrupt_requests", "False",  # queue, do not cancel
+           "--host", "127.0.0.1", "--port", str(port)]
     return start_server(cmd, port, "/v1/models")
 
 
