@@ -164,3 +164,23 @@ def test_a_failing_step_fails_every_stream(model):
         await engine.shutdown()
 
     asyncio.run(main())  # no hang: the error reached the stream and the next caller
+
+
+def test_an_engine_factory_runs_on_the_engine_thread_and_its_errors_reach_the_caller(model):
+    import threading
+
+    built_on = []
+
+    def build():
+        built_on.append(threading.current_thread().name)
+        return Engine(model, ByteTokenizer(), EngineConfig(kv_cache_bytes=1 << 20))
+
+    engine = AsyncEngine(build)
+    assert built_on == ["tokenmind-engine"] and isinstance(engine.engine, Engine)
+    asyncio.run(engine.shutdown())
+
+    def broken():
+        raise ValueError("kv_cache_bytes is too small for one block")
+
+    with pytest.raises(ValueError, match="too small"):
+        AsyncEngine(broken)

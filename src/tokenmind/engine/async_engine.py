@@ -30,21 +30,26 @@ class AsyncEngine:
     Each output carries the cumulative `token_ids`/`text` and the step's `new_token_ids`/`new_text`.
     """
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    def __init__(self, engine: Engine | Callable[[], Engine]):
+        """Take an `Engine`, or a function that builds one: it then runs on the engine thread, so
+        the KV pool is allocated there and no other thread's OpenMP team lingers beside the
+        engine's (see `serve.app.load_off_main_thread` for what that costs)."""
         self._commands: queue.SimpleQueue[tuple[Callable, tuple, Future]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # engine thread only
         self._closing = False
         self._running = True
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="tokenmind-engine", daemon=True)
+        build = (lambda: engine) if isinstance(engine, Engine) else engine
+        built: Future = Future()
+        self._thread = threading.Thread(target=self._run, args=(build, built), name="tokenmind-engine", daemon=True)
         self._thread.start()
+        self.engine: Engine = built.result()  # a failed build raises here
 
     @classmethod
     def from_pretrained(cls, model: str | Path | Pretrained, **engine_options: Any) -> AsyncEngine:
         """Load a model (or take a loaded one) as `LLM` does and start the engine thread."""
-        return cls(LLM(model, **engine_options).engine)
+        return cls(lambda: LLM(model, **engine_options).engine)
 
     # ----------------------------------------------------------------- the asyncio side
 
@@ -100,7 +105,14 @@ class AsyncEngine:
 
     # ----------------------------------------------------------------- the engine thread
 
-    def _run(self) -> None:
+    def _run(self, build: Callable[[], Engine], built: Future) -> None:
+        try:
+            self.engine = build()
+        except BaseException as e:
+            self._running = False
+            built.set_exception(e)
+            return
+        built.set_result(self.engine)
         while self._running:
             self._apply_commands()
             if not self._running:

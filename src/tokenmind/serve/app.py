@@ -8,6 +8,7 @@ responder (`generation.py`). The engine thread starts with the app's lifespan an
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import uuid
@@ -142,13 +143,25 @@ class Service:
                 gen.close()
 
 
+def load_off_main_thread(config: ServeConfig) -> Pretrained:
+    """Load the model on a short-lived thread, so that the main thread never runs parallel tensor work.
+
+    The engine computes on its own thread. Weight loading on the main thread would leave that
+    thread's OpenMP team alive beside the engine's; with more OpenMP threads than cores, libgomp
+    stops spinning between parallel regions and every op then pays a futex wake-up. Measured on 2
+    cores: 19 vs 29 tokens/s at batch 1. The loader thread's team ends with the thread.
+    """
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenmind-load") as pool:
+        return pool.submit(load_pretrained, config.model, dtype=config.dtype, quantize=config.quantization).result()
+
+
 def build_app(config: ServeConfig, pretrained: Pretrained | None = None) -> FastAPI:
     """The ASGI app serving `config.model` (or an already loaded `pretrained`, e.g. in tests or notebooks).
 
     The engine (and its KV cache) is created when the app starts serving and freed when it stops.
     """
     if pretrained is None:
-        pretrained = load_pretrained(config.model, dtype=config.dtype, quantize=config.quantization)
+        pretrained = load_off_main_thread(config)
     service = Service(config, pretrained)
 
     @contextlib.asynccontextmanager
