@@ -19,7 +19,7 @@ from test_sft_helpers import (
     tiny_tokenizer,
     write_chats,
 )
-from test_train_helpers import one_thread, tiny_config  # noqa: F401 (one_thread: autouse fixture)
+from test_train_helpers import crash_in_step_5, one_thread, tiny_config  # noqa: F401 (one_thread: autouse fixture)
 
 from tokenmind.chat import ChatSession
 from tokenmind.data.shards import ShardConfig, ShardWriter
@@ -28,13 +28,8 @@ from tokenmind.model.checkpoint import load_hf_dir
 from tokenmind.posttrain import SFTTrainer, load_sft_config, sft
 from tokenmind.pretrained import load_pretrained
 from tokenmind.train import pretrain, save_resolved
-from tokenmind.train.checkpoint import latest_checkpoint
 from tokenmind.train.metrics import read_jsonl
 from tokenmind.train.trainer import trained_targets
-
-
-class Preempted(Exception):
-    """Stands in for a killed job."""
 
 
 @pytest.fixture(scope="module")
@@ -76,17 +71,7 @@ def test_sft_resume_retraces_the_uninterrupted_run(setup: tuple[Path, Path], tmp
     sft(tiny_sft_config(model_dir, chats, tmp_path / "straight", *args))
 
     crashed_cfg = tiny_sft_config(model_dir, chats, tmp_path / "crashed", *args)
-    trainer = SFTTrainer(crashed_cfg)
-
-    def crash_in_step_6(module, inputs, output):
-        if trainer.step == 5:
-            raise Preempted
-
-    trainer.model.norm.register_forward_hook(crash_in_step_6)
-    with pytest.raises(Preempted):
-        trainer.train()
-    trainer.close()
-    assert latest_checkpoint(tmp_path / "crashed" / "checkpoints").name == "step_000004"
+    crash_in_step_5(SFTTrainer(crashed_cfg))
 
     resumed = sft(crashed_cfg)
     assert len(resumed.losses) == 4  # steps 5..8 only

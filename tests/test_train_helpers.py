@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tokenmind.data.shards import ShardConfig, ShardWriter
+from tokenmind.train.checkpoint import latest_checkpoint
 from tokenmind.train.config import RunConfig, load_config
 
 VOCAB = 300
@@ -52,3 +53,22 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+class Preempted(Exception):
+    """Stands in for a killed job."""
+
+
+def crash_in_step_5(trainer) -> None:
+    """Train until step 5's forward pass, then die as a killed job would: step 5 ran after the
+    step-4 checkpoint (the run must checkpoint at step 4), so its work is lost."""
+
+    def hook(module, inputs, output):
+        if trainer.step == 5:
+            raise Preempted
+
+    trainer.model.norm.register_forward_hook(hook)
+    with pytest.raises(Preempted):
+        trainer.train()
+    trainer.close()
+    assert latest_checkpoint(trainer.checkpoint_root).name == "step_000004"

@@ -9,7 +9,12 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_train_helpers import one_thread, tiny_config, write_shards  # noqa: F401 (one_thread: autouse fixture)
+from test_train_helpers import (  # noqa: F401 (one_thread: autouse fixture)
+    crash_in_step_5,
+    one_thread,
+    tiny_config,
+    write_shards,
+)
 
 from tokenmind.train import Trainer, pretrain
 from tokenmind.train.checkpoint import (
@@ -23,10 +28,6 @@ from tokenmind.train.checkpoint import (
 )
 from tokenmind.train.distributed import DistContext
 from tokenmind.train.metrics import read_jsonl
-
-
-class Preempted(Exception):
-    """Stands in for a killed job."""
 
 
 @pytest.fixture(scope="module")
@@ -44,17 +45,7 @@ def test_resume_retraces_the_uninterrupted_loss_curve(shards: Path, tmp_path: Pa
     straight = pretrain(tiny_config(shards, tmp_path / "straight", *args))
 
     crashed_cfg = tiny_config(shards, tmp_path / "crashed", *args)
-    trainer = Trainer(crashed_cfg)
-
-    def crash_in_step_6(module, inputs, output):
-        if trainer.step == 5:  # step 5 ran after the step-4 checkpoint; its work is lost
-            raise Preempted
-
-    trainer.model.norm.register_forward_hook(crash_in_step_6)
-    with pytest.raises(Preempted):
-        trainer.train()
-    trainer.close()
-    assert latest_checkpoint(tmp_path / "crashed" / "checkpoints").name == "step_000004"
+    crash_in_step_5(Trainer(crashed_cfg))
     assert [r["step"] for r in train_records(tmp_path / "crashed")] == [1, 2, 3, 4, 5]
 
     resumed = pretrain(crashed_cfg)
