@@ -25,18 +25,10 @@ import pytest
 from tokenmind.data import fetch as fetch_mod
 from tokenmind.data import sources
 from tokenmind.data.fetch import FetchError, deb_version, default_cache_dir, fetch
-from tokenmind.data.sources import (
-    SOURCES,
-    Source,
-    html_to_text,
-    iter_members,
-    pod_to_text,
-    read_member,
-    read_r_lazyload,
-    read_r_serialized,
-    resolve,
-    rst_to_text,
-)
+from tokenmind.data.sources import SOURCES, Source, olmes, resolve
+from tokenmind.data.sources.archive import iter_members, read_member
+from tokenmind.data.sources.markup import html_to_text, pod_to_text, rst_to_text
+from tokenmind.data.sources.rdata import read_r_lazyload, read_r_serialized
 
 # ------------------------------------------------------------------------------- archive builders
 
@@ -377,9 +369,9 @@ def test_olmes_eval_extractors_normalize_multiple_choice(tmp_path):
 
 
 def test_mc_prompt_parser_reads_letter_options():
-    assert sources._parse_mc_query(HS_MC["query"]) == (HS_STEM, HS_ENDINGS)
+    assert olmes._parse_mc_query(HS_MC["query"]) == (HS_STEM, HS_ENDINGS)
     with pytest.raises(ValueError, match="not an OLMES"):
-        sources._parse_mc_query("Question: no options\nAnswer:")
+        olmes._parse_mc_query("Question: no options\nAnswer:")
 
 
 def test_olmes_train_split_becomes_chats(tmp_path):
