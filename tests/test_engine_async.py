@@ -1,11 +1,13 @@
 """AsyncEngine: concurrent streams, abort (explicit, by leaving the loop, by cancelling), shutdown."""
 
 import asyncio
+import threading
+import time
 
 import pytest
 from test_engine_llm import ByteTokenizer, ScriptedModel, tiny_model
 
-from tokenmind.engine.async_engine import AsyncEngine
+from tokenmind.engine.async_engine import AsyncEngine, EngineFailed
 from tokenmind.engine.config import EngineConfig
 from tokenmind.engine.generate import generate
 from tokenmind.engine.llm import Engine
@@ -184,3 +186,125 @@ def test_an_engine_factory_runs_on_the_engine_thread_and_its_errors_reach_the_ca
 
     with pytest.raises(ValueError, match="too small"):
         AsyncEngine(broken)
+
+
+def slow_engine(model, delay: float, **config) -> Engine:
+    """An engine whose every step sleeps `delay` s first: a window to act while a step runs."""
+    engine = Engine(model, config=EngineConfig(block_size=4, **config))
+    run = engine.runner.run
+
+    def slow_run(batch):
+        time.sleep(delay)
+        return run(batch)
+
+    engine.runner.run = slow_run
+    return engine
+
+
+def test_cancelling_a_caller_before_its_first_token_leaves_the_engine_alive(model):
+    """The reproduction of the server-killing bug: a request's task is cancelled while its `add`
+    command still waits behind a running step. The engine must skip or abort it and live on."""
+
+    async def main():
+        engine = AsyncEngine(slow_engine(model, 0.3))
+        long = asyncio.create_task(collect(engine.generate([1, 2, 3], SamplingParams(max_tokens=3, temperature=0))))
+        await asyncio.sleep(0.1)  # the long request's first step is running now
+        for _ in range(3):  # callers that give up while their add command is queued
+            abandoned = asyncio.create_task(collect(engine.generate([4, 5], SamplingParams(max_tokens=30))))
+            await asyncio.sleep(0.02)
+            abandoned.cancel()
+        outs = await asyncio.wait_for(long, 10)
+        stats = await wait_idle(engine)
+        health = engine.health()
+        after = await collect(engine.generate([7], SamplingParams(max_tokens=2, temperature=0)))
+        await engine.shutdown()
+        return outs, stats, health, after
+
+    outs, stats, health, after = asyncio.run(main())
+    assert outs[-1].finished and len(outs[-1].token_ids) == 3
+    assert health.alive and health.error is None
+    assert stats.kv_cache_usage == 0.0 and stats.num_running == stats.num_waiting == 0
+    assert after[-1].finish_reason == "length"
+
+
+def test_a_caller_cancelled_after_its_request_was_added_aborts_it(model):
+    """The add command ran, but the caller was cancelled before it saw the result: no orphan request."""
+
+    async def main():
+        engine = AsyncEngine(slow_engine(model, 0.05))
+        added = threading.Event()
+        real_add = engine.engine.add_request
+
+        def add_then_signal(*args):
+            rid = real_add(*args)
+            added.set()
+            time.sleep(0.2)  # the caller is cancelled while the command still "runs"
+            return rid
+
+        engine.engine.add_request = add_then_signal
+        task = asyncio.create_task(collect(engine.generate([1, 2], SamplingParams(max_tokens=50, temperature=0))))
+        await asyncio.to_thread(added.wait, 5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        stats = await wait_idle(engine)
+        await engine.shutdown()
+        return stats
+
+    stats = asyncio.run(main())
+    assert stats.kv_cache_usage == 0.0 and stats.num_generated_tokens < 50
+
+
+def test_an_engine_failure_is_reported_by_health_and_to_every_caller(model):
+    engine_ = Engine(model, config=EngineConfig(block_size=4))
+    failures = []
+
+    async def main():
+        engine = AsyncEngine(engine_)
+        engine.on_failure.append(failures.append)
+        engine_.runner.run = lambda batch: 1 / 0
+        with pytest.raises(EngineFailed, match="ZeroDivisionError"):
+            await collect(engine.generate([1, 2], GREEDY))
+        with pytest.raises(EngineFailed):
+            await engine.stats()
+        with pytest.raises(EngineFailed):
+            await engine.generate([1], GREEDY).__anext__()
+        await engine.abort("whatever")  # nothing to abort on a dead engine: no error, no hang
+        await asyncio.wait_for(engine.shutdown(), 5)
+        return engine.health()
+
+    health = asyncio.run(main())
+    assert not health.alive and "ZeroDivisionError" in health.error
+    assert len(failures) == 1 and isinstance(failures[0], ZeroDivisionError)
+
+
+def test_health_shows_a_running_step_and_its_age(model):
+    async def main():
+        engine = AsyncEngine(slow_engine(model, 0.5))
+        idle = engine.health()
+        task = asyncio.create_task(collect(engine.generate([1], SamplingParams(max_tokens=1, temperature=0))))
+        await asyncio.sleep(0.25)
+        busy = engine.health()  # answered at once although the step holds the engine thread
+        await task
+        await engine.shutdown()
+        return idle, busy
+
+    idle, busy = asyncio.run(main())
+    assert idle.alive and idle.step_running_s is None and idle.last_step_age_s is None
+    assert busy.alive and 0.1 < busy.step_running_s < 0.5
+
+
+def test_a_request_that_waits_too_long_in_the_queue_ends_with_timeout(model):
+    async def main():
+        engine = AsyncEngine(slow_engine(model, 0.1, max_num_seqs=1, max_queue_wait=0.25))
+        first = asyncio.create_task(collect(engine.generate([1, 2], SamplingParams(max_tokens=6, temperature=0))))
+        await asyncio.sleep(0.05)
+        second = await collect(engine.generate([3, 4], SamplingParams(max_tokens=6, temperature=0)))
+        stats = await wait_idle(engine)
+        await engine.shutdown()
+        return await first, second, stats
+
+    first, second, stats = asyncio.run(main())
+    assert first[-1].finish_reason == "length"
+    assert second[-1].finish_reason == "timeout" and second[-1].token_ids == []
+    assert stats.num_queue_timeouts == 1 and stats.kv_cache_usage == 0.0

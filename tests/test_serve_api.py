@@ -50,7 +50,8 @@ def test_models_health_and_page(server, client):
     assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4")
-    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    health = httpx.get(server.url + "/health").json()
+    assert health["status"] == "ok" and health["engine"]["alive"] and health["engine"]["step_running_s"] is None
     page = httpx.get(server.url + "/")
     assert page.status_code == 200 and '<script src="/static/chat.js">' in page.text
     for name in ("chat.js", "chat.css"):
@@ -158,7 +159,8 @@ def test_vanishing_temperature_and_top_p_are_greedy(pretrained, server, client):
     for extra in ({"temperature": 1e-300}, {"temperature": 1.0, "top_p": 5e-324}):
         out = client.chat.completions.create(model=MODEL, messages=chat("tiny"), max_tokens=8, **extra)
         assert out.choices[0].message.content == expected
-    assert httpx.get(server.url + "/health").json() == {"status": "ok"}  # the engine thread is alive
+    health = httpx.get(server.url + "/health").json()
+    assert health["status"] == "ok" and health["engine"]["alive"] and health["engine"]["step_running_s"] is None  # the engine thread is alive
 
 
 def test_unused_defaults_of_unsupported_fields_are_accepted(client):
@@ -205,6 +207,8 @@ def test_config_is_local_by_default_and_warns_when_exposed(caplog):
         warn_if_exposed(config)
         assert not caplog.records
         warn_if_exposed(ServeConfig(model="smollm2", host="0.0.0.0"))
+        assert "only requests whose Host header names 127.0.0.1, localhost, ::1" in caplog.text
+        warn_if_exposed(ServeConfig(model="smollm2", host="0.0.0.0", allowed_hosts=["*"]))
         assert "WITHOUT an API key" in caplog.text
     with pytest.raises(ValueError, match="quantization"):
         ServeConfig(model="smollm2", quantization="int3")

@@ -69,7 +69,7 @@ def test_completion_specific_errors(server):
     assert_error(httpx.post(url, json={"model": MODEL, "prompt": "x", "logprobs": 21}), 400, "logprobs")
     assert_error(httpx.post(url, json={"model": MODEL, "prompt": []}), 400, "prompt")
     assert_error(httpx.post(url, json={"model": MODEL, "prompt": [[1], []]}), 400, "prompt")
-    error = assert_error(httpx.post(url, json={"model": MODEL, "prompt": [5000]}), 400)  # not a token id
+    error = assert_error(httpx.post(url, json={"model": MODEL, "prompt": [5000]}), 400, "prompt")  # not a token id
     assert "[0, 260)" in error["message"]
 
 

@@ -143,17 +143,22 @@ def cmd_sft(args, overrides: list[str]) -> None:
     print(f"model: {result.final_model_path}  (chat with: tokenmind chat --model {result.final_model_path})")
 
 
-def cmd_serve(args) -> None:
+def cmd_serve(args) -> int:
     import os
 
     from .serve import ServeConfig, run_server
 
-    run_server(ServeConfig(model=args.model, host=args.host, port=args.port,
-                           api_key=args.api_key or os.environ.get("TOKENMIND_API_KEY"),
-                           served_model_name=args.served_model_name, dtype=args.dtype, quantization=args.quantize,
-                           kv_cache_bytes=args.kv_cache_mb << 20 if args.kv_cache_mb else None,
-                           max_num_seqs=args.max_num_seqs, max_queue=args.max_queue,
-                           max_model_len=args.max_model_len, log_level=args.log_level))
+    def names(value: str | None) -> list[str] | None:
+        return None if value is None else [n.strip() for n in value.split(",") if n.strip()]
+
+    return run_server(ServeConfig(
+        model=args.model, host=args.host, port=args.port, api_key=args.api_key or os.environ.get("TOKENMIND_API_KEY"),
+        served_model_name=args.served_model_name, dtype=args.dtype, quantization=args.quantize,
+        kv_cache_bytes=args.kv_cache_mb << 20 if args.kv_cache_mb else None, max_num_seqs=args.max_num_seqs,
+        max_queue=args.max_queue, max_queue_wait=args.max_queue_wait or None, max_model_len=args.max_model_len,
+        max_body_bytes=int(args.max_body_mb * 2**20) if args.max_body_mb else None,
+        allowed_hosts=names(args.allowed_hosts), cors_origins=names(args.cors_origins) or [],
+        stuck_step_timeout=args.stuck_step_timeout, log_level=args.log_level))
 
 
 def cmd_eval(args) -> None:
@@ -261,7 +266,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-mb", type=int, default=512, help="KV-cache memory budget in MiB (default 512)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences decoding at once")
     p.add_argument("--max-queue", type=int, default=256, help="running + waiting requests before 429")
+    p.add_argument("--max-queue-wait", type=float, default=30.0, metavar="SECONDS",
+                   help="a request still queued after this long gets 503 + Retry-After (default 30; 0 = no limit)")
     p.add_argument("--max-model-len", type=int, default=None, help="cap the context length")
+    p.add_argument("--max-body-mb", type=float, default=None,
+                   help="request body limit, 413 above it (default: enough for the context window, at least 1)")
+    p.add_argument("--allowed-hosts", default=None, metavar="NAMES",
+                   help="comma-separated Host header values to answer (default without --api-key: the bound "
+                        "address and localhost; '*' = any)")
+    p.add_argument("--cors-origins", default=None, metavar="ORIGINS",
+                   help="comma-separated browser origins allowed to call the API (default: none, CORS off)")
+    p.add_argument("--stuck-step-timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="/health turns 503 when one engine step runs longer than this (default 120)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=cmd_serve)
 
@@ -363,11 +379,12 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     if rest and not getattr(args, "takes_overrides", False):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    status = 0
     try:
         if getattr(args, "takes_overrides", False):
-            args.func(args, rest)
+            status = args.func(args, rest) or 0
         else:
-            args.func(args)
+            status = args.func(args) or 0
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -378,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except BrokenPipeError:
         pass
-    return 0
+    return status
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True  # split long prompts across steps so decodes keep flowing
     enable_prefix_caching: bool = True  # reuse the KV blocks of prompts that start the same way
     max_model_len: int | None = None  # longest sequence (prompt + output); None = the model's context
+    max_queue_wait: float | None = None  # seconds a request may wait for its first step; then it ends "timeout"
     dtype: str | torch.dtype | None = None  # model and KV cache dtype ("bf16", ...); None = the model's own
     device: str | None = None  # None = where the model already is
 
@@ -51,6 +52,9 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} cannot give each of "
                              f"max_num_seqs={self.max_num_seqs} running sequences its decode token; raise "
                              "max_num_batched_tokens or lower max_num_seqs")
+        if self.max_queue_wait is not None and not self.max_queue_wait > 0:
+            raise ValueError(f"max_queue_wait must be > 0 seconds (or None: wait as long as it takes), "
+                             f"got {self.max_queue_wait}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 (a prompt token and an output token), "
                              f"got {self.max_model_len}")

@@ -74,10 +74,11 @@ class CompletionOutput:
     index: int
     token_ids: list[int]
     text: str
-    finish_reason: str | None  # "stop", "length", "abort"; None while running
+    finish_reason: str | None  # "stop", "length", "abort", "timeout" (queued too long); None while running
     logprobs: list[TokenLogprob] | None
     new_token_ids: list[int]
     new_text: str
+    queue_s: float | None  # time waiting for the first step
     ttft_s: float | None  # time to first token
     tpot_s: float | None  # mean time per output token after the first
 
@@ -134,6 +135,8 @@ class EngineStats:
     num_preemptions: int
     num_steps: int
     num_blocks: int
+    oldest_waiting_s: float = 0.0  # how long the head of the queue has waited
+    num_queue_timeouts: int = 0  # requests ended after waiting longer than max_queue_wait
 
 
 class Engine:
@@ -158,6 +161,8 @@ class Engine:
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = config.resolve_max_model_len(model.cfg)
         num_blocks = config.resolve_num_blocks(model.cfg, dtype, device)
+        # the longest sequence the KV pool can hold at all (its last token is sampled, never cached)
+        self.max_seq_len = min(self.max_model_len, num_blocks * config.block_size + 1)
         self.runner = ModelRunner(model, num_blocks, config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                           self.runner.kv_cache.copy_block)
@@ -165,6 +170,7 @@ class Engine:
         self.requests: dict[str, list[Sequence]] = {}  # unfinished requests → their completions
         self.num_generated_tokens = 0
         self.num_steps = 0
+        self.num_queue_timeouts = 0
         self._next_id = itertools.count()
 
     # ----------------------------------------------------------------- requests
@@ -185,30 +191,39 @@ class Engine:
         request_id = str(next(self._next_id)) if request_id is None else request_id
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running; use a unique id")
-        if not ids:
-            raise ValueError("the prompt is empty; give at least one token (e.g. the BOS token)")
-        vocab = self.model.cfg.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {min(ids)}..{max(ids)}")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}; "
-                             "shorten the prompt")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer to detokenize; use stop_token_ids instead")
-        if params.n > self.scheduler.max_num_seqs:
-            raise ValueError(f"n={params.n} completions cannot run at once with max_num_seqs="
-                             f"{self.scheduler.max_num_seqs}; lower n or raise max_num_seqs")
-        max_len = min(len(ids) + params.max_tokens, self.max_model_len)
-        bs, pool = self.config.block_size, self.block_manager.num_blocks
-        if -(-(max_len - 1) // bs) > pool:  # the last token is sampled, never written
-            raise ValueError(f"a sequence of {max_len} tokens needs {-(-(max_len - 1) // bs)} KV blocks but the pool "
-                             f"has {pool}; lower max_tokens or give the engine more KV cache memory")
+        max_len = self.check_request(ids, params)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         seq = Sequence(request_id, ids, params, stop_ids, max_len, device=self.runner.device)
         seq.stream = self._new_stream(params)
         self.requests[request_id] = [seq]
         self.scheduler.add(seq)
         return request_id
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """Raise ValueError naming the fix if this request could never run; else its longest length.
+
+        Reads only what is fixed when the engine is built, so any thread may call it: the server
+        checks a request this way before admitting it, and can then answer at once.
+        """
+        if not prompt_ids:
+            raise ValueError("the prompt is empty; give at least one token (e.g. the BOS token)")
+        vocab = self.model.cfg.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {min(prompt_ids)}..{max(prompt_ids)}")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens but max_model_len is {self.max_model_len}; "
+                             "shorten the prompt")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer to detokenize; use stop_token_ids instead")
+        if params.n > self.scheduler.max_num_seqs:
+            raise ValueError(f"n={params.n} completions cannot run at once with max_num_seqs="
+                             f"{self.scheduler.max_num_seqs}; lower n or raise max_num_seqs")
+        max_len = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
+        bs, pool = self.config.block_size, self.block_manager.num_blocks
+        if -(-(max_len - 1) // bs) > pool:  # the last token is sampled, never written
+            raise ValueError(f"a sequence of {max_len} tokens needs {-(-(max_len - 1) // bs)} KV blocks but the pool "
+                             f"has {pool}; lower max_tokens or give the engine more KV cache memory")
+        return max_len
 
     def _new_stream(self, params: SamplingParams) -> OutputStream:
         decoder = self.tokenizer.stream_decoder(skip_special_tokens=True) if self.tokenizer is not None else None
@@ -229,20 +244,23 @@ class Engine:
         return bool(self.requests)
 
     def stats(self) -> EngineStats:
-        bm = self.block_manager
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage, bm.prefix_hit_rate,
-                           self.num_generated_tokens, self.scheduler.num_preemptions, self.num_steps, bm.num_blocks)
+        bm, waiting = self.block_manager, self.scheduler.waiting
+        oldest = min((seq.arrival_time for seq in waiting), default=None)
+        return EngineStats(len(self.scheduler.running), len(waiting), bm.usage, bm.prefix_hit_rate,
+                           self.num_generated_tokens, self.scheduler.num_preemptions, self.num_steps, bm.num_blocks,
+                           0.0 if oldest is None else time.perf_counter() - oldest, self.num_queue_timeouts)
 
     # ----------------------------------------------------------------- the loop
 
     def step(self) -> list[RequestOutput]:
         """Run one forward pass over the scheduled tokens; outputs of the requests that changed."""
+        expired = self._expire_queue()
         batch = self.scheduler.schedule()
         if not batch:
             if self.requests:
                 raise RuntimeError(f"no request could be scheduled although {len(self.requests)} are unfinished; "
                                    "this is an engine bug")
-            return []
+            return expired
         logits, ready = self.runner.run(batch)
         for seq, n in batch:
             self.block_manager.mark_computed(seq, n)
@@ -253,17 +271,29 @@ class Engine:
             rows += [row] * len(group)
             seqs += group
         if not seqs:  # only mid-prompt chunks this step
-            return []
+            return expired
         tokens, logprobs = sample_batch(logits[rows], seqs)
         now = time.perf_counter()
         for seq, token, logprob in zip(seqs, tokens, logprobs):
             self._append(seq, token, logprob, now)
-        outputs = []
+        outputs = expired
         for request_id in dict.fromkeys(seq.request_id for seq in seqs):
             out = self._output(self.requests[request_id])
             if out.finished:
                 del self.requests[request_id]
             outputs.append(out)
+        return outputs
+
+    def _expire_queue(self) -> list[RequestOutput]:
+        """End the requests that waited longer than `max_queue_wait` for their first step ("timeout")."""
+        if self.config.max_queue_wait is None:
+            return []
+        now = time.perf_counter()
+        outputs = []
+        for seq in self.scheduler.overdue(now, self.config.max_queue_wait):
+            self._finish(seq, "timeout", now)
+            outputs.append(self._output(self.requests.pop(seq.request_id)))
+            self.num_queue_timeouts += 1
         return outputs
 
     def _fork(self, seq: Sequence) -> list[Sequence]:
@@ -304,7 +334,8 @@ class Engine:
             logprobs = list(seq.logprobs) if seq.params.logprobs is not None else None
             completions.append(CompletionOutput(seq.index, ids, text, seq.finish_reason, logprobs,
                                                 new_token_ids=ids[stream.sent_tokens:],
-                                                new_text=text[stream.sent_chars:], ttft_s=seq.ttft_s,
+                                                new_text=text[stream.sent_chars:], queue_s=seq.queue_s,
+                                                ttft_s=seq.ttft_s,
                                                 tpot_s=seq.tpot_s))
             stream.sent_tokens, stream.sent_chars = len(ids), len(text)
         head = seqs[0]

@@ -14,6 +14,7 @@ from cache. Preempting the newest keeps the oldest, closest-to-done sequences mo
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from .block_manager import BlockManager
@@ -67,11 +68,20 @@ class Scheduler:
             bm.allocate(seq)
             n = min(seq.num_pending_tokens, budget)
             self.waiting.popleft()
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.perf_counter()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.append((seq, n))
             budget -= n
         return batch
+
+    def overdue(self, now: float, max_wait: float) -> list[Sequence]:
+        """Waiting sequences that never ran and arrived more than `max_wait` seconds before `now`.
+
+        A preempted sequence was admitted once and is not counted: its client already has tokens.
+        """
+        return [seq for seq in self.waiting if seq.first_scheduled_time is None and now - seq.arrival_time > max_wait]
 
     def _num_seqs(self) -> int:
         """Running sequences plus the n > 1 siblings they will fork (their places are reserved)."""

@@ -52,6 +52,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stream: Any = None  # the engine's output state: detokenizer, stop strings, what was reported
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
+        self.first_scheduled_time: float | None = None  # when it first left the queue
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
 
@@ -95,8 +96,13 @@ class Sequence:
                          self.generator.device, self.arrival_time)
         child.num_prompt_tokens = self.num_prompt_tokens
         child.num_computed_tokens, child.num_cached_tokens = self.num_computed_tokens, self.num_cached_tokens
-        child.status = self.status
+        child.status, child.first_scheduled_time = self.status, self.first_scheduled_time
         return child
+
+    @property
+    def queue_s(self) -> float | None:
+        """Time spent waiting in the queue before its first step, from arrival."""
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
 
     @property
     def ttft_s(self) -> float | None:

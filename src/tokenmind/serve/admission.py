@@ -34,14 +34,18 @@ class Admission:
 
     def admit(self, request_ids: list[str]) -> None:
         """Take places for `request_ids` (give them back with `release`); 429 when full, 503 when shutting down."""
+        self.check(len(request_ids))
+        self.active.update(request_ids)
+
+    def check(self, places: int) -> None:
+        """Raise the 429 / 503 that admitting `places` more requests now would raise."""
         if self.draining:
             raise APIError(503, "the server is shutting down; retry against another instance", type="server_error",
                            code="shutting_down")
-        if len(self.active) + len(request_ids) > self.capacity:
+        if len(self.active) + places > self.capacity:
             raise APIError(429, f"the server is at capacity ({self.capacity} requests running or queued); "
                                 f"retry after {self.retry_after}s", type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(self.retry_after)})
-        self.active.update(request_ids)
 
     def release(self, request_ids: list[str]) -> None:
         self.active.difference_update(request_ids)

@@ -1,8 +1,11 @@
 """The FastAPI app: OpenAI's routes over one `AsyncEngine`, plus health, metrics and the chat page.
 
-Routes only translate: check the model name, turn messages or a prompt into token ids, check
-them against the context window, and hand a `Generation` to the streaming or the collecting
-responder (`generation.py`). The engine thread starts with the app's lifespan and stops with it.
+Routes only translate. A generation request is read (its size already capped by a guard), then
+parsed, validated, tokenized and checked against the engine's limits on a worker thread, so a
+large body never holds up other requests; then it is admitted (or refused with 429/503) and
+handed to the streaming or the collecting responder (`generation.py`). The engine thread starts
+with the app's lifespan and stops with it; if it fails, `/health` says so and (by default) the
+process exits with status 1, for a supervisor to restart it.
 """
 
 from __future__ import annotations
@@ -10,23 +13,29 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import jinja2
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
+from pydantic import BaseModel, ValidationError
 
-from ..engine.async_engine import AsyncEngine
+from ..engine.async_engine import AsyncEngine, EngineFailed, EngineStopped
+from ..engine.sampling import SamplingParams
 from ..pretrained import Pretrained, load_pretrained
 from .admission import Admission
-from .auth import ApiKeyMiddleware
 from .config import ServeConfig
 from .errors import APIError, install_error_handlers
-from .generation import ClientDisconnected, EventStream, Generation, collect, until_disconnect
+from .generation import ClientDisconnected, EventStream, Generation, QueueTimeout, collect, until_disconnect
+from .guards import ApiKeyMiddleware, BodyLimitMiddleware, TrustedHostMiddleware
 from .metrics import Metrics, MetricsMiddleware
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from .responses import ChatFormat, CompletionFormat, ResponseFormat
@@ -35,6 +44,13 @@ log = logging.getLogger("tokenmind.serve")
 STATIC = Path(__file__).parent / "static"
 ENDPOINTS = ["/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/"]
 CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection first"; only metrics see it
+
+
+class Prepared:
+    """A parsed, tokenized request that the engine will accept."""
+
+    def __init__(self, body: SamplingRequest, prompts: list[list[int]], params: SamplingParams, fmt: ResponseFormat):
+        self.body, self.prompts, self.params, self.fmt = body, prompts, params, fmt
 
 
 class Service:
@@ -48,17 +64,18 @@ class Service:
         self.engine: AsyncEngine | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.max_model_len = self.max_seq_len = 0
+        self.exit_code = 0
+        self.request_exit: Callable[[], None] | None = None  # set by the server that runs this app
         self._drain_task: asyncio.Task | None = None
 
     async def start(self) -> None:
-        self.engine = AsyncEngine.from_pretrained(self.pretrained, **self.config.engine_options())
-        engine = self.engine.engine
-        self.max_model_len = engine.max_model_len
-        # the longest sequence the KV pool can hold (its last token is sampled, never cached)
-        self.max_seq_len = min(engine.max_model_len, engine.block_manager.num_blocks * engine.config.block_size + 1)
         self.loop = asyncio.get_running_loop()
+        self.engine = AsyncEngine.from_pretrained(self.pretrained, **self.config.engine_options())
+        self.engine.on_failure.append(self._on_engine_thread_failure)
+        limits = self.engine.limits
+        self.max_model_len, self.max_seq_len = limits.max_model_len, limits.max_seq_len
         log.info("serving %s as %r (context %d tokens, %d KV blocks)", self.pretrained.name, self.model_name,
-                 self.max_model_len, engine.block_manager.num_blocks)
+                 self.max_model_len, limits.num_blocks)
 
     async def stop(self) -> None:
         """The last step of shutdown: connections are closed by now; the engine aborts anything left."""
@@ -75,7 +92,28 @@ class Service:
         drain = self.admission.drain(self.engine.abort, self.config.shutdown_timeout)
         self._drain_task = asyncio.create_task(drain)  # keep a reference: the loop holds tasks only weakly
 
-    # ----------------------------------------------------------------- request → token ids
+    def _on_engine_thread_failure(self, error: BaseException) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is already closed: the server is gone anyway
+            self.loop.call_soon_threadsafe(self._engine_failed, error)
+
+    def _engine_failed(self, error: BaseException) -> None:
+        log.critical("the engine failed: %r; every request was ended with an error", error, exc_info=error)
+        if self.config.exit_on_engine_failure and self.request_exit is not None:
+            log.critical("shutting down with exit status 1 so that a supervisor restarts the server")
+            self.exit_code = 1
+            self.admission.draining = True
+            self.request_exit()
+
+    def ready(self) -> AsyncEngine:
+        """The engine, or 503 if it is not serving."""
+        if self.engine is None:
+            raise APIError(503, "the engine is not running", type="server_error", code="not_ready")
+        if self.engine.error is not None:
+            raise APIError(503, f"the engine failed ({self.engine.error!r}); the server must be restarted",
+                           type="server_error", code="engine_failed")
+        return self.engine
+
+    # ----------------------------------------------------------------- request → token ids (worker thread)
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -115,32 +153,87 @@ class Service:
                            param=name, code="context_length_exceeded")
         return requested
 
-    # ----------------------------------------------------------------- request → response
-
-    async def respond(self, request: Request, body: SamplingRequest, prompts: list[list[int]], prompt_param: str,
-                      fmt: ResponseFormat) -> Response:
-        """Run the prompts and answer with an event stream or one JSON body."""
-        if self.engine is None:
-            raise APIError(503, "the engine is not running", type="server_error", code="not_ready")
+    def prepare(self, raw: bytes, content_type: str | None, kind: type[SamplingRequest]) -> Prepared:
+        """Body bytes → a request the engine accepts, or an `APIError` naming what is wrong. Blocking."""
+        body = parse_body(raw, content_type, kind)
+        self.check_model(body.model)
+        if isinstance(body, ChatCompletionRequest):
+            prompts, param = [self.chat_prompt(body)], "messages"
+            fmt: ResponseFormat = ChatFormat(self.model_name, self.tokenizer, body.include_usage)
+        else:
+            prompts, param = [self.completion_prompt(p) for p in body.prompts()], "prompt"
+            fmt = CompletionFormat(self.model_name, self.tokenizer, body.include_usage)
         try:
-            params = body.sampling_params(self.max_tokens(body, prompts, prompt_param))
+            params = body.sampling_params(self.max_tokens(body, prompts, param))
         except ValueError as e:
             raise APIError(400, str(e)) from e
-        gen = Generation(self.engine, self.admission, self.metrics, prompts, params, uuid.uuid4().hex)
-        handed_over = False  # to the event stream, which closes `gen` when it ends
+        for ids in prompts:  # token ids out of range, a KV pool too small for the sequence, ...
+            try:
+                self.ready().check_request(ids, params)
+            except ValueError as e:
+                raise APIError(400, str(e), param=param) from e
+        return Prepared(body, prompts, params, fmt)
+
+    # ----------------------------------------------------------------- request → response
+
+    async def respond(self, request: Request, kind: type[SamplingRequest]) -> Response:
+        """Run the request and answer with an event stream or one JSON body."""
+        self.ready()
+        self.admission.check(1)  # a full server refuses before reading or parsing anything
+        raw = await request.body()
+        prep = await asyncio.to_thread(self.prepare, raw, request.headers.get("content-type"), kind)
+        gen = Generation(self.ready(), self.admission, self.metrics, prep.prompts, prep.params, uuid.uuid4().hex)
+        if prep.body.stream:
+            return EventStream(gen, prep.fmt, self.config.heartbeat_interval, self.failure)
         try:
-            await until_disconnect(request, gen.start())
-            if body.stream:
-                handed_over = True
-                return EventStream(gen, fmt)
-            return JSONResponse(await until_disconnect(request, collect(gen, fmt)))
-        except ValueError as e:  # the engine rejected a prompt (token ids out of range, KV pool too small, ...)
-            raise APIError(400, str(e)) from e
+            return JSONResponse(await until_disconnect(request, collect(gen, prep.fmt)))
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED)
+        except (QueueTimeout, EngineFailed, EngineStopped) as e:
+            raise self.failure(e) from e
         finally:
-            if not handed_over:
-                gen.close()
+            gen.close()
+
+    def failure(self, error: Exception) -> APIError:
+        """The error response for a generation that could not finish."""
+        if isinstance(error, APIError):
+            return error
+        if isinstance(error, QueueTimeout):
+            wait = self.config.max_queue_wait
+            return APIError(503, f"the request waited more than {wait:g}s in the queue: the server is overloaded; "
+                                 f"retry after {self.config.retry_after}s", type="server_error", code="queue_timeout",
+                            headers={"Retry-After": str(self.config.retry_after)})
+        if isinstance(error, EngineStopped):
+            return APIError(503, "the server is shutting down; retry against another instance", type="server_error",
+                            code="shutting_down")
+        if isinstance(error, EngineFailed):
+            return APIError(500, f"generation failed: {error}", type="server_error", code="engine_failed")
+        return APIError(500, f"generation failed: {error!r}", type="server_error")
+
+
+def parse_body(raw: bytes, content_type: str | None, kind: type[BaseModel]) -> Any:
+    """Validate a JSON body as FastAPI would (same errors, so the same 400 messages), off the event loop."""
+    data: Any = raw
+    if not raw:
+        data = None
+    elif content_type is None or _is_json(content_type):
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            pos, msg = (e.pos, e.msg) if isinstance(e, json.JSONDecodeError) else (e.start, "not UTF-8")
+            raise RequestValidationError([{"type": "json_invalid", "loc": ("body", pos), "msg": "JSON decode error",
+                                           "input": {}, "ctx": {"error": msg}}]) from e
+    if data is None:
+        raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
+    try:
+        return kind.model_validate(data)
+    except ValidationError as e:
+        raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from e
+
+
+def _is_json(content_type: str) -> bool:
+    kind = content_type.split(";", 1)[0].strip().lower()
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
 
 
 def load_off_main_thread(config: ServeConfig) -> Pretrained:
@@ -176,20 +269,30 @@ def build_app(config: ServeConfig, pretrained: Pretrained | None = None) -> Fast
                   docs_url=None, redoc_url=None)  # the docs pages load from a CDN; /openapi.json stays
     app.state.service = service
     install_error_handlers(app)
-    if config.api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
-    app.add_middleware(MetricsMiddleware, metrics=service.metrics)  # outermost: it also counts the 401s
+    _install_guards(app, config, service, pretrained.model.cfg.max_position_embeddings)
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        """200 while requests are accepted; 503 when starting, shutting down, or after an engine failure."""
-        if service.engine is None or service.admission.draining:
-            return JSONResponse({"status": "unavailable"}, status_code=503)
-        try:
-            await service.engine.stats()
-        except RuntimeError as e:
-            return JSONResponse({"status": f"unavailable: {e}"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        """200 while requests are accepted; 503 when starting, shutting down, after an engine failure, or
+        while one engine step has run longer than `stuck_step_timeout`. Never waits for the engine."""
+        if service.engine is None:
+            return JSONResponse({"status": "unavailable", "reason": "starting"}, status_code=503)
+        h, stats = service.engine.health(), service.engine.snapshot
+        engine = {"alive": h.alive, "step_running_s": h.step_running_s, "last_step_age_s": h.last_step_age_s,
+                  "running": stats.num_running, "waiting": stats.num_waiting}
+        reason = None
+        if h.error is not None:
+            reason = f"the engine failed: {h.error}"
+        elif service.admission.draining:
+            reason = "shutting down"
+        elif not h.alive:
+            reason = "the engine thread is not running"
+        elif h.step_running_s is not None and h.step_running_s > config.stuck_step_timeout:
+            reason = (f"one engine step has run for {h.step_running_s:.0f}s "
+                      f"(limit {config.stuck_step_timeout:g}s, --stuck-step-timeout)")
+        if reason is not None:
+            return JSONResponse({"status": "unavailable", "reason": reason, "engine": engine}, status_code=503)
+        return JSONResponse({"status": "ok", "engine": engine})
 
     @app.get("/v1/models")
     async def list_models() -> dict:
@@ -200,24 +303,19 @@ def build_app(config: ServeConfig, pretrained: Pretrained | None = None) -> Fast
         service.check_model(model_id)
         return _model_card(service)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        service.check_model(body.model)
-        fmt = ChatFormat(service.model_name, service.tokenizer, body.include_usage)
-        return await service.respond(request, body, [service.chat_prompt(body)], "messages", fmt)
+    @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
+    async def chat_completions(request: Request) -> Response:
+        return await service.respond(request, ChatCompletionRequest)
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        service.check_model(body.model)
-        prompts = [service.completion_prompt(p) for p in body.prompts()]
-        fmt = CompletionFormat(service.model_name, service.tokenizer, body.include_usage)
-        return await service.respond(request, body, prompts, "prompt", fmt)
+    @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
+    async def completions(request: Request) -> Response:
+        return await service.respond(request, CompletionRequest)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         if service.engine is None:
             raise APIError(503, "the engine is not running", type="server_error", code="not_ready")
-        text = service.metrics.render(await service.engine.stats(), service.admission.in_flight)
+        text = service.metrics.render(service.engine.snapshot, service.admission.in_flight)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/", include_in_schema=False)
@@ -225,7 +323,47 @@ def build_app(config: ServeConfig, pretrained: Pretrained | None = None) -> Fast
         return FileResponse(STATIC / "index.html")
 
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    _document_request_bodies(app, ChatCompletionRequest, CompletionRequest)
     return app
+
+
+def _install_guards(app: FastAPI, config: ServeConfig, service: Service, model_context: int) -> None:
+    """Middleware, innermost first: API key, CORS, body limit, trusted hosts, metrics (outermost: it
+    also counts the requests the others refuse)."""
+    if config.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    if config.cors_origins:  # outside the key check: browsers send preflight requests without credentials
+        app.add_middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+    context = min(model_context, config.max_model_len or model_context)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.body_limit(context))
+    hosts = config.trusted_hosts()
+    if hosts is not None:
+        app.add_middleware(TrustedHostMiddleware, allowed=hosts)
+    app.add_middleware(MetricsMiddleware, metrics=service.metrics)
+
+
+def _json_body(model: type[BaseModel]) -> dict:
+    """OpenAPI for a route that reads its JSON body itself (to parse it off the event loop)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def _document_request_bodies(app: FastAPI, *models: type[BaseModel]) -> None:
+    """Add the request models (and the models they use) to the OpenAPI components `_json_body` points at."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = generate()
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in models:
+                spec = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(spec.pop("$defs", {}))
+                components[model.__name__] = spec
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 def _model_card(service: Service) -> dict:

@@ -1,20 +1,26 @@
 """`ServeConfig`: what `tokenmind serve` listens on, who may call it, and how much work it takes at once.
 
-Two limits bound the load. The engine runs at most `max_num_seqs` sequences per step; requests
+Limits bound the load. The engine runs at most `max_num_seqs` sequences per step; requests
 beyond that wait inside the engine, and at most `max_queue` may wait. A request beyond both is
 refused at once with HTTP 429 and a `Retry-After` header, so an overloaded server answers
 quickly instead of letting latency grow without bound, and admitted requests keep being served.
+A request that waits longer than `max_queue_wait` for its first step gets 503 + `Retry-After`.
+Before admission, the body is capped (`max_body_bytes`, 413 above it) and parsed and tokenized on
+a worker thread, so no single request can stall the others.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..pretrained import QUANTIZATIONS
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+BODY_BYTES_PER_CONTEXT_TOKEN = 128  # a token is ~4 characters, JSON escapes take up to 6 bytes per character
+MIN_BODY_BYTES = 1 << 20
 
 
 @dataclass
@@ -32,6 +38,14 @@ class ServeConfig:
     max_queue: int = 256  # requests that may wait for a running slot; beyond that: 429
     max_model_len: int | None = None  # longest prompt + output; None = the model's context window
     quantization: str | None = None  # weight-only quantization of the linears: None, "int8" or "int4"
+    max_queue_wait: float | None = 30.0  # seconds a request may wait for its first step; then 503 (None = forever)
+    max_body_bytes: int | None = None  # request body limit (413 above); None = 128 bytes per context token, >= 1 MiB
+    allowed_hosts: list[str] | None = None  # Host header values accepted; None = the bound address + localhost
+    # without an API key (DNS-rebinding guard), any with one; "*" accepts any
+    cors_origins: list[str] = field(default_factory=list)  # browser origins allowed to call the API (CORS off if empty)
+    heartbeat_interval: float = 5.0  # seconds between SSE keep-alive comments while a stream has nothing to send
+    stuck_step_timeout: float = 120.0  # /health reports 503 once one engine step has run this long
+    exit_on_engine_failure: bool = True  # a failed engine ends the process (status 1) for a supervisor to restart
     shutdown_timeout: float = 30.0  # seconds in-flight requests may run after SIGTERM before being aborted
     retry_after: int = 1  # seconds a 429 tells the client to wait
     log_level: str = "info"
@@ -50,6 +64,14 @@ class ServeConfig:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
         if self.retry_after < 1:
             raise ValueError(f"retry_after must be >= 1 second, got {self.retry_after}")
+        for name in ("heartbeat_interval", "stuck_step_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.max_queue_wait is not None and not self.max_queue_wait > 0:
+            raise ValueError(f"max_queue_wait must be > 0 seconds (or None to wait forever), got {self.max_queue_wait}")
+        if self.max_body_bytes is not None and self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024 (a chat request needs a few hundred bytes), "
+                             f"got {self.max_body_bytes}")
         if self.quantization not in (None, *QUANTIZATIONS):
             raise ValueError(f"quantization={self.quantization!r}: choose one of {', '.join(QUANTIZATIONS)} "
                              "or leave it unset for float weights")
@@ -67,10 +89,26 @@ class ServeConfig:
         """True when the server listens beyond this machine (any non-loopback address)."""
         return self.host not in LOCAL_HOSTS
 
+    def body_limit(self, context_len: int) -> int:
+        """The request body limit in bytes: `max_body_bytes`, or enough for a full context window."""
+        if self.max_body_bytes is not None:
+            return self.max_body_bytes
+        return max(MIN_BODY_BYTES, BODY_BYTES_PER_CONTEXT_TOKEN * context_len)
+
+    def trusted_hosts(self) -> list[str] | None:
+        """Host header values to accept; None = any (an API key guards the server, or `*` was given)."""
+        if self.allowed_hosts is not None:
+            return None if "*" in self.allowed_hosts else list(self.allowed_hosts)
+        if self.api_key is not None:
+            return None
+        bound = [] if self.host in WILDCARD_HOSTS else [self.host]
+        return list(dict.fromkeys([*bound, *LOCAL_HOSTS]))
+
     def engine_options(self) -> dict[str, Any]:
         """`EngineConfig` fields for `AsyncEngine.from_pretrained` / `EngineConfig(**...)`."""
         options: dict[str, Any] = {"dtype": self.dtype, "max_num_seqs": self.max_num_seqs,
-                                   "max_num_batched_tokens": max(2048, self.max_num_seqs)}
+                                   "max_num_batched_tokens": max(2048, self.max_num_seqs),
+                                   "max_queue_wait": self.max_queue_wait}
         if self.kv_cache_bytes is not None:
             options["kv_cache_bytes"] = self.kv_cache_bytes
         if self.max_model_len is not None:

@@ -5,17 +5,16 @@ n completions. `Generation` pumps every engine stream into one queue, so choices
 order the engine produces them, and keeps each choice's text, logprobs and finish reason for the
 non-streaming response and the usage numbers. Closing it — finished, failed, or because the
 client went away — cancels the pumps, and leaving `AsyncEngine.generate` aborts the engine
-request, which frees its KV blocks at once.
+request, which frees its KV blocks at once (also when the client leaves before its first token).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -25,7 +24,7 @@ from ..engine.async_engine import AsyncEngine
 from ..engine.llm import RequestOutput
 from ..engine.sampling import SamplingParams
 from .admission import Admission
-from .errors import error_body
+from .errors import APIError
 from .metrics import Metrics
 from .responses import ChoiceDelta, ChoiceState, ResponseFormat, usage
 
@@ -37,8 +36,12 @@ class ClientDisconnected(Exception):
     """The HTTP client went away before its response was ready."""
 
 
+class QueueTimeout(Exception):
+    """A prompt of the request waited longer than `max_queue_wait` for its first step."""
+
+
 class Generation:
-    """The engine requests of one HTTP request. Create, `await start()`, iterate `deltas()`, always `close()`."""
+    """The engine requests of one HTTP request. Create (which admits it), iterate `deltas()`, always `close()`."""
 
     def __init__(self, engine: AsyncEngine, admission: Admission, metrics: Metrics, prompts: list[list[int]],
                  params: SamplingParams, request_id: str):
@@ -49,7 +52,6 @@ class Generation:
         self.choices: dict[int, ChoiceState] = {}
         self.prompt_tokens = self.cached_tokens = 0
         self._queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
-        self._buffer: collections.deque[tuple[int, RequestOutput | Exception]] = collections.deque()
         self._seen: set[int] = set()
         self._remaining = len(prompts)
         self._tasks = [asyncio.create_task(self._pump(i, engine.generate(ids, params, rid)))
@@ -59,32 +61,35 @@ class Generation:
         try:
             async for out in stream:
                 self._queue.put_nowait((prompt, out))
-        except Exception as e:  # e.g. the engine rejected the prompt: the consumer raises it
+        except Exception as e:  # e.g. the engine failed: the consumer raises it
             self._queue.put_nowait((prompt, e))
 
-    async def start(self) -> None:
-        """Wait until every prompt is accepted by the engine (its first output): rejections raise here.
+    async def deltas(self, heartbeat: float | None = None) -> AsyncIterator[list[ChoiceDelta] | None]:
+        """Per engine output, the choices it changed; ends when every completion has finished.
 
-        Waiting for this before answering lets an engine-side rejection become a 400, not an
-        error inside a stream that already said 200.
+        With `heartbeat`, yields None after that many seconds without output (a keep-alive).
+        Raises `QueueTimeout` if a prompt waited too long to start, or the engine's error.
         """
-        accepted: set[int] = set()
-        while len(accepted) < len(self._tasks):
-            prompt, item = await self._queue.get()
-            if isinstance(item, Exception):
-                raise item
-            self._buffer.append((prompt, item))
-            accepted.add(prompt)
-
-    async def deltas(self) -> AsyncIterator[list[ChoiceDelta]]:
-        """Per engine output, the choices it changed; ends when every completion has finished."""
-        while self._remaining:
-            prompt, item = self._buffer.popleft() if self._buffer else await self._queue.get()
-            if isinstance(item, Exception):
-                raise item
-            if item.finished:
-                self._remaining -= 1
-            yield self._update(prompt, item)
+        pending: asyncio.Future | None = None
+        try:
+            while self._remaining:
+                if pending is None:
+                    pending = asyncio.ensure_future(self._queue.get())
+                done, _ = await asyncio.wait({pending}, timeout=heartbeat)
+                if not done:
+                    yield None
+                    continue
+                (prompt, item), pending = pending.result(), None
+                if isinstance(item, Exception):
+                    raise item
+                if item.finish_reason == "timeout":
+                    raise QueueTimeout
+                if item.finished:
+                    self._remaining -= 1
+                yield self._update(prompt, item)
+        finally:
+            if pending is not None:
+                pending.cancel()
         self.metrics.latency.observe(time.perf_counter() - self.started)
 
     def _update(self, prompt: int, out: RequestOutput) -> list[ChoiceDelta]:
@@ -107,6 +112,8 @@ class Generation:
             if o.ttft_s is not None and not choice.ttft_seen:
                 choice.ttft_seen = True
                 self.metrics.ttft.observe(o.ttft_s)
+                if o.queue_s is not None:
+                    self.metrics.queue_wait.observe(o.queue_s)
             finished_now = o.finish_reason is not None and choice.finish_reason is None
             if finished_now:
                 choice.finish_reason = o.finish_reason
@@ -153,17 +160,30 @@ async def collect(gen: Generation, fmt: ResponseFormat) -> dict[str, Any]:
     return fmt.response([gen.choices[i] for i in sorted(gen.choices)], gen.usage())
 
 
-async def server_sent_events(gen: Generation, fmt: ResponseFormat) -> AsyncIterator[str]:
-    """`data: {chunk}` events, an optional usage chunk, then `data: [DONE]`; closes `gen` however it ends."""
+async def server_sent_events(gen: Generation, fmt: ResponseFormat, heartbeat: float,
+                             failure: Callable[[Exception], APIError]) -> AsyncIterator[str]:
+    """An SSE comment at once (the client sees headers while the request waits), keep-alive comments
+    while nothing happens, `data: {chunk}` events, an optional usage chunk, then `data: [DONE]`.
+
+    The status line said 200 before the outcome was known, so a failure (a queue timeout, the
+    engine failing) becomes an error event, shaped like the error body the status would carry.
+    Closes `gen` however it ends.
+    """
     try:
-        async for deltas in gen.deltas():
+        yield ": accepted\n\n"
+        async for deltas in gen.deltas(heartbeat):
+            if deltas is None:
+                yield ": waiting\n\n"
+                continue
             for delta in deltas:
                 yield _event(fmt.chunk(delta))
         if fmt.include_usage:
             yield _event(fmt.usage_chunk(gen.usage()))
-    except Exception as e:  # the engine failed mid-stream: the status is already 200, so say it in the stream
-        log.exception("generation failed mid-stream")
-        yield _event(error_body(f"generation failed: {e}", type="server_error"))
+    except Exception as e:
+        error = failure(e)
+        if error.status >= 500 and not isinstance(e, QueueTimeout):
+            log.error("generation failed mid-stream: %s", e)
+        yield _event(error.body())
     finally:
         gen.close()
     yield "data: [DONE]\n\n"
@@ -173,8 +193,9 @@ class EventStream(StreamingResponse):
     """The SSE response. It closes its `Generation` however the response ends — also when the client
     left before the first byte, when the body iterator never even starts and so never cleans up."""
 
-    def __init__(self, gen: Generation, fmt: ResponseFormat):
-        super().__init__(server_sent_events(gen, fmt), media_type="text/event-stream",
+    def __init__(self, gen: Generation, fmt: ResponseFormat, heartbeat: float,
+                 failure: Callable[[Exception], APIError]):
+        super().__init__(server_sent_events(gen, fmt, heartbeat, failure), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.gen = gen
 

@@ -3,8 +3,9 @@
 The format is a few lines per metric (`# HELP`, `# TYPE`, `name{label="v"} value`; histograms
 as cumulative `_bucket{le=...}` plus `_sum` and `_count`), so a dependency is not worth it.
 Counters and histograms are updated by the request handlers on the event loop thread; gauges
-(running and waiting sequences, KV-cache usage, prefix-cache hit rate) are read from the
-engine at scrape time, so they are never stale.
+(running and waiting sequences, KV-cache usage, prefix-cache hit rate, the queue's oldest wait)
+come from the snapshot the engine thread publishes after every step, so a scrape never waits
+for a running step.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from ..engine.llm import EngineStats
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+QUEUE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -53,6 +55,7 @@ class Metrics:
         self.ttft = Histogram(TTFT_BUCKETS)
         self.tpot = Histogram(TPOT_BUCKETS)
         self.latency = Histogram(LATENCY_BUCKETS)
+        self.queue_wait = Histogram(QUEUE_BUCKETS)
 
     def record_request(self, path: str, status: int) -> None:
         self.requests[(path if path in self.endpoints else "other", status)] += 1
@@ -72,6 +75,8 @@ class Metrics:
              self.ttft.lines(p + "time_to_first_token_seconds")),
             (p + "time_per_output_token_seconds", "histogram", "mean time per output token after the first",
              self.tpot.lines(p + "time_per_output_token_seconds")),
+            (p + "queue_wait_seconds", "histogram", "time from arrival in the engine to the first step",
+             self.queue_wait.lines(p + "queue_wait_seconds")),
             (p + "request_latency_seconds", "histogram", "time from admission to the last token of a request",
              self.latency.lines(p + "request_latency_seconds")),
             (p + "requests_in_flight", "gauge", "requests admitted by the server (running or queued)",
@@ -80,6 +85,10 @@ class Metrics:
              [f"{p}num_requests_running {stats.num_running}"]),
             (p + "num_requests_waiting", "gauge", "sequences queued in the engine (queue depth)",
              [f"{p}num_requests_waiting {stats.num_waiting}"]),
+            (p + "oldest_waiting_seconds", "gauge", "how long the longest-waiting queued request has waited",
+             [f"{p}oldest_waiting_seconds {_number(stats.oldest_waiting_s)}"]),
+            (p + "queue_timeouts_total", "counter", "requests refused after waiting longer than max_queue_wait",
+             [f"{p}queue_timeouts_total {stats.num_queue_timeouts}"]),
             (p + "kv_cache_usage_ratio", "gauge", "fraction of KV-cache blocks held by sequences",
              [f"{p}kv_cache_usage_ratio {_number(stats.kv_cache_usage)}"]),
             (p + "prefix_cache_hit_rate", "gauge", "prompt tokens served from the prefix cache / looked up",

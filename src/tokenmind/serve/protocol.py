@@ -19,6 +19,7 @@ from ..engine.sampling import SamplingParams
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # n siblings use seed + i: still inside torch's 64-bit range
 MAX_N = 128
 MAX_LOGPROBS = 20
+MAX_STOP = 16
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 # OpenAI fields this server does not implement, with the values that ask for nothing: any other
@@ -44,7 +45,7 @@ class SamplingRequest(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=MAX_N)
-    stop: NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=16)] | None = None
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -73,6 +74,13 @@ class SamplingRequest(BaseModel):
         if value not in UNSUPPORTED[info.field_name]:
             raise ValueError(f"{info.field_name} is not supported by this server; leave it out")
         return value
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_limit(cls, stop: Any) -> Any:
+        if isinstance(stop, list) and len(stop) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences are allowed, got {len(stop)}")
+        return stop
 
     @property
     def include_usage(self) -> bool:

@@ -5,7 +5,8 @@ open ones; we also stop admitting requests (503) and give the running ones `shut
 seconds to finish, then abort them, so every stream still ends with a finish reason and
 `data: [DONE]` rather than a cut connection. The process then exits with status 0 (uvicorn's
 default of re-raising the signal would kill it with SIGTERM's status instead). A second Ctrl-C
-forces the exit.
+forces the exit. If the engine fails, the server shuts down the same way and `run_server`
+returns 1, so a supervisor (systemd, Kubernetes, a shell loop) restarts it.
 """
 
 from __future__ import annotations
@@ -56,7 +57,11 @@ def warn_if_exposed(config: ServeConfig) -> None:
     """Shout when the model is reachable from other machines, louder still without an API key."""
     if not config.is_public:
         return
-    if config.api_key is None:
+    if config.api_key is None and config.trusted_hosts() is not None:
+        log.warning("listening on %s without an API key: only requests whose Host header names %s are answered; "
+                    "pass --allowed-hosts NAME[,NAME] with the names clients use, or an --api-key",
+                    config.host, ", ".join(config.trusted_hosts()))
+    elif config.api_key is None:
         log.warning("!" * 78)
         log.warning("listening on %s WITHOUT an API key: anyone who can reach this machine on port %d can use "
                     "the model. Pass --api-key, or bind --host 127.0.0.1.", config.host, config.port)
@@ -71,11 +76,15 @@ def uvicorn_server(config: ServeConfig, pretrained: Pretrained | None = None) ->
     service = app.state.service
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                timeout_graceful_shutdown=config.shutdown_timeout + 5.0, access_log=False)
-    return GracefulServer(uv_config, on_exit=service.begin_shutdown)
+    server = GracefulServer(uv_config, on_exit=service.begin_shutdown)
+    service.request_exit = lambda: setattr(server, "should_exit", True)
+    return server
 
 
-def run_server(config: ServeConfig, pretrained: Pretrained | None = None) -> None:
-    """Serve until SIGINT/SIGTERM, then shut down gracefully. `pretrained` skips loading `config.model`."""
+def run_server(config: ServeConfig, pretrained: Pretrained | None = None) -> int:
+    """Serve until SIGINT/SIGTERM (exit status 0) or an engine failure (1), shutting down gracefully.
+
+    `pretrained` skips loading `config.model`."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s: %(message)s", stream=sys.stderr)
     warn_if_exposed(config)
@@ -83,3 +92,4 @@ def run_server(config: ServeConfig, pretrained: Pretrained | None = None) -> Non
     log.info("OpenAI API on http://%s:%d/v1, chat page on http://%s:%d/", config.host, config.port, config.host,
              config.port)
     server.run()
+    return server.config.app.state.service.exit_code
