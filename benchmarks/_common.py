@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -35,12 +36,59 @@ def timed_call(fn):
 
 
 def machine_info(**extra) -> dict:
-    """The facts a reader needs to judge a number: cores, threads, load, versions."""
-    info = {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
+    """The facts a reader needs to judge a number: CPU model and the ISA that matters, cores, threads, load."""
+    info = {"cpu": cpu_model(), "isa": [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+                                         if f in cpu_flags()],
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
             "python": platform.python_version(), "torch": torch.__version__,
             "loadavg_1m": round(os.getloadavg()[0], 2)}
     info.update(extra)
     return info
+
+
+def _cpuinfo(key: str) -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(key):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def cpu_model() -> str:
+    return _cpuinfo("model name")
+
+
+def cpu_flags() -> set[str]:
+    return set(_cpuinfo("flags").split())
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(cmd: list[str], port: int, health: str, **popen) -> tuple[subprocess.Popen, str]:
+    """Start a server process and wait until `health` answers 200; `popen` goes to `subprocess.Popen`."""
+    import httpx
+
+    popen.setdefault("stdout", subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, **popen)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{cmd[0]} exited with status {proc.returncode} while starting")
+        try:
+            if httpx.get(url + health, timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.terminate()
+    raise SystemExit(f"{' '.join(cmd[:3])} did not become healthy within 300 s")
 
 
 def emit(result: dict, out: str | None) -> None:

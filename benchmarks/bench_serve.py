@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,7 +32,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import PEER_PYTHON, PEER_SETUP, emit, machine_info, peer_python, percentile  # noqa: E402
+from _common import (PEER_PYTHON, PEER_SETUP, emit, free_port, machine_info, peer_python,  # noqa: E402
+                     percentile, start_server)
 
 QUESTIONS = [
     "What is the capital of France?", "Explain photosynthesis in two sentences.", "Write a haiku about the sea.",
@@ -107,30 +107,6 @@ async def run_level(url: str, model: str, concurrency: int, num_requests: int, m
             "mean_output_tokens": round(statistics.mean(r["tokens"] for r in results), 1) if results else 0,
             "ttft_s": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99)},
             "tpot_s": {"p50": percentile(tpot, 50), "p99": percentile(tpot, 99)}}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_server(cmd: list[str], port: int, health: str) -> tuple[subprocess.Popen, str]:
-    """Start a server process and wait until `health` answers 200."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{cmd[0]} exited with status {proc.returncode} while starting")
-        try:
-            if httpx.get(url + health, timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    proc.terminate()
-    raise SystemExit(f"{' '.join(cmd[:3])} did not become healthy within 300 s")
 
 
 def start_tokenmind(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:

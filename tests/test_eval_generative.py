@@ -7,7 +7,7 @@ import pytest
 from test_eval_fixtures import ByteTokenizer, ChatByteTokenizer, bigram_model, chain
 from test_train_helpers import one_thread  # noqa: F401 (autouse fixture)
 
-from tokenmind.eval.code import evaluate_humaneval, humaneval_program, pass_at_k, run_program
+from tokenmind.eval.code import evaluate_humaneval, humaneval_program, pass_at_k, passes_tests, run_program
 from tokenmind.eval.generative import (evaluate_gsm8k, extract_answer, gsm8k_prompt, is_correct, normalize_number,
                                        worked_solution)
 
@@ -85,3 +85,12 @@ def test_humaneval_runs_each_completion_against_its_tests():
     result = evaluate_humaneval(bigram_model(chain("n 1")), ByteTokenizer(), items, max_tokens=8)
     assert [p["completion"] for p in result["predictions"]] == [" 1", " 1"]
     assert result["pass@1"] == 0.5 and [p["passed"] for p in result["predictions"]] == [True, False]
+
+
+def test_a_completion_that_exits_before_the_tests_does_not_pass():
+    item = {"task_id": "HumanEval/0", "prompt": "def f():\n    return", "entry_point": "f",
+            "test": "def check(candidate):\n    assert candidate() == 1\n"}
+    assert passes_tests(item, " 1\n")
+    assert not passes_tests(item, " 2\n")
+    assert not passes_tests(item, " 2\nimport sys\nsys.exit(0)\n")  # exits 0 without running check()
+    assert not passes_tests(item, " 2\nimport os\nprint('tests-done-0'); os._exit(0)\n")

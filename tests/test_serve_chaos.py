@@ -160,7 +160,7 @@ def test_a_large_allowed_body_is_parsed_off_the_event_loop():
             latencies.append(_timed_get(server.url + "/v1/models"))
         r = result["value"]
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-        assert max(latencies, default=0) < 0.5
+        assert max(latencies, default=0) < 0.2  # tokenizing it while holding the GIL stalls others ~0.3 s
 
 
 def stream_lines(url, json_body):

@@ -91,7 +91,8 @@ class BodyLimitMiddleware:
         limit = f"{self.max_bytes / 2**20:.1f} MiB" if self.max_bytes >= 2**20 else f"{self.max_bytes} bytes"
         error = APIError(413, f"the request body is larger than this server's limit of {limit}; send a shorter "
                               "prompt, or start the server with a larger --max-body-mb",
-                         code="request_too_large", headers={"Connection": "close"})
+                         code="request_too_large")  # the connection stays open: the client can finish
+        # sending (uvicorn discards the rest of the body) and then read this answer
         await error.response()(scope, receive, send)
 
 
