@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> dict:
     threads = torch.get_num_threads()
     sides = args.sides.split(",")
 
-    from tokenmind.engine.generate import generate
+    from tokenmind.engine.llm import LLM
     from tokenmind.engine.sampling import SamplingParams
     from tokenmind.pretrained import load_pretrained, resolve_model_path
 
@@ -71,8 +71,8 @@ def main(argv: list[str] | None = None) -> dict:
             with torch.inference_mode():
                 model.logits(model.hidden_states(long_prompt)[:, -1])
 
-        def decode(model=pre.model):
-            assert len(generate(model, short_prompt, params).token_ids) == n
+        def decode(llm=LLM(pre, max_num_seqs=1, max_model_len=len(short_prompt) + n + 1)):
+            assert len(llm.generate(short_prompt, params)[0].token_ids) == n
 
         fns[f"tokenmind_{scheme}"] = (prefill, decode)
 

@@ -180,10 +180,10 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
 
-    from tokenmind.engine.generate import generate
+    from tokenmind.engine.llm import LLM
     from tokenmind.engine.sampling import SamplingParams
     from tokenmind.model.quant import weight_bytes
-    from tokenmind.pretrained import load_pretrained, resolve_model_path
+    from tokenmind.pretrained import Pretrained, load_pretrained, resolve_model_path
 
     path = resolve_model_path(args.model)
     pretrained = load_pretrained(path)
@@ -200,8 +200,11 @@ def main() -> None:
         return lambda: model.logits(model.hidden_states(long_prompt)[:, -1])
 
     def decode(name, model):
+        llm = LLM(Pretrained(model, tokenizer, path), max_num_seqs=1,
+                  max_model_len=len(short_prompt) + args.decode_tokens + 1)
+
         def fn():
-            outputs[name] = generate(model, short_prompt, params).token_ids
+            outputs[name] = llm.generate(short_prompt, params)[0].token_ids
             assert len(outputs[name]) == args.decode_tokens
         return fn
 

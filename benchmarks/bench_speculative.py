@@ -1,13 +1,14 @@
-"""Speculative decoding speed on SmolLM2-135M-Instruct (fp32, batch 1, greedy): plain `generate` vs
-n-gram (prompt-lookup) drafting at several k, and a self-speculative draft model.
+"""Speculative decoding speed on SmolLM2-135M-Instruct (fp32, batch 1, greedy), through the engine: plain
+decoding vs n-gram (prompt-lookup) drafting at several k, and a self-speculative draft model.
 
 There is no smaller packaged model with SmolLM2's vocabulary, so the model drafter is a truncated
 copy of the target itself: its first `--draft-layers` blocks + final norm + LM head (weights shared,
 no training of an early exit). Prompts are chat-formatted; some ask to repeat / edit / correct /
 summarize text that is in the prompt (where prompt lookup should help) and some are open-ended.
 
-Every configuration runs in one process, alternating with plain decoding in each repeat so load
-hits all alike; medians are reported. Greedy speculative output is checked token for token against
+Each configuration is an `LLM` (the paged engine, one request at a time) built once. Every
+configuration runs in one process, alternating with plain decoding in each repeat so load hits all
+alike; medians are reported. Greedy speculative output is checked token for token against
 plain decoding. Prints JSON.
 
     python benchmarks/bench_speculative.py [--max-tokens 128] [--ks 2,3,4,8] [--adaptive-ks 8] [--repeats 3]
@@ -71,6 +72,24 @@ PROMPTS = [  # (name, prompt lookup expected to help, user message)
 
 
 
+def truncated_draft(model, num_layers: int):
+    """A self-speculative draft: the target's first `num_layers` blocks + its final norm and LM head.
+
+    The modules are shared with `model` (no copy of the weights). Early layers without a trained exit
+    are a rough draft; acceptance depends on how much the last layers change the prediction.
+    """
+    from dataclasses import replace
+
+    from tokenmind.model.transformer import Transformer
+
+    with torch.device("meta"):
+        draft = Transformer(replace(model.cfg, num_hidden_layers=num_layers))
+    draft.embed_tokens, draft.norm, draft.lm_head, draft.rotary = model.embed_tokens, model.norm, model.lm_head, \
+        model.rotary
+    draft.layers = torch.nn.ModuleList(model.layers[:num_layers])
+    return draft
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
@@ -91,20 +110,39 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from tokenmind.engine.generate import generate
+    from tokenmind.engine.llm import LLM
     from tokenmind.engine.sampling import SamplingParams
-    from tokenmind.engine.speculative import ModelDrafter, NgramDrafter, speculative_generate, truncated_draft
+    from tokenmind.engine.speculative import SpeculativeConfig
     from tokenmind.pretrained import load_pretrained
 
     pre = load_pretrained(args.model, dtype=torch.float32)
-    model, tok = pre.model.eval(), pre.tokenizer
-    eos = tok.eos_token_ids
+    model, tok = pre.model, pre.tokenizer
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     ks = [int(k) for k in args.ks.split(",") if k]
     adaptive_ks = [int(k) for k in args.adaptive_ks.split(",") if k]
     wanted = set(args.prompts.split(",")) if args.prompts else None
-    draft = truncated_draft(model, args.draft_layers) if args.draft_layers else None
     load_start = os.getloadavg()[0]
+
+    def llm(method=None, k=8, adaptive=False, ngram=args.max_ngram, draft=None):
+        spec = None if method is None else SpeculativeConfig(method, k, adaptive, max_ngram=ngram)
+        return LLM(pre, draft_model=draft, max_num_seqs=1, max_model_len=4096, speculative=spec)
+
+    engines = {"plain": llm()}
+    for k in ks:
+        engines[f"ngram_k{k}"] = llm("ngram", k)
+    for k in adaptive_ks:
+        engines[f"ngram_k{k}_adaptive"] = llm("ngram", k, adaptive=True)
+    draft_name = None
+    if args.draft_layers:
+        draft_name = f"self_draft_{args.draft_layers}of{model.cfg.num_hidden_layers}_k{args.draft_k}"
+        engines[draft_name] = llm("draft", args.draft_k, draft=truncated_draft(model, args.draft_layers))
+
+    def run(name, ids):
+        engine = engines[name].engine
+        drafted, accepted, steps = engine.num_drafted, engine.num_accepted, engine.num_steps
+        out = engines[name].generate(ids, params)[0]
+        return out, {"drafted": engine.num_drafted - drafted, "accepted": engine.num_accepted - accepted,
+                     "steps": engine.num_steps - steps}
 
     rows = []
     for name, helps, message in PROMPTS:
@@ -113,39 +151,30 @@ def main() -> None:
         ids = tok.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True)
         with torch.inference_mode():
             prefill_s = min(timed_call(lambda: model.hidden_states(torch.tensor([ids])))[0] for _ in range(2))
-        ref = generate(model, ids, params, eos)  # also the warm-up
+        ref, _ = run("plain", ids)  # also the warm-up
         n = len(ref.token_ids)
-        configs = {"plain": lambda: (generate(model, ids, params, eos), None)}
-        for k in ks:
-            configs[f"ngram_k{k}"] = (lambda k=k: speculative_generate(
-                model, ids, params, NgramDrafter(max_ngram=args.max_ngram), k=k, eos_token_ids=eos))
-        for k in adaptive_ks:
-            configs[f"ngram_k{k}_adaptive"] = (lambda k=k: speculative_generate(
-                model, ids, params, NgramDrafter(max_ngram=args.max_ngram), k=k, eos_token_ids=eos, adaptive=True))
-        times: dict[str, list[float]] = {c: [] for c in configs}
+        configs = [c for c in engines if c != draft_name]
+        times: dict[str, list[float]] = {c: [] for c in engines}
         stats, identical = {}, {}
         for _ in range(args.repeats):
-            for cname, fn in configs.items():
-                dt, (out, st) = timed_call(fn)
+            for cname in configs:
+                dt, (out, st) = timed_call(lambda: run(cname, ids))
                 times[cname].append(dt)
                 identical[cname] = out.token_ids == ref.token_ids
-                if st is not None:
-                    stats[cname] = st.as_dict()
-        if draft is not None:
-            cname = f"self_draft_{args.draft_layers}of{model.cfg.num_hidden_layers}_k{args.draft_k}"
-            times[cname] = []
+                stats[cname] = st
+        if draft_name is not None:
             for _ in range(args.draft_repeats):
-                dt, (out, st) = timed_call(lambda: speculative_generate(model, ids, params, ModelDrafter(draft),
-                                                                   k=args.draft_k, eos_token_ids=eos))
-                times[cname].append(dt)
-                identical[cname] = out.token_ids == ref.token_ids
-                stats[cname] = st.as_dict()
-            times["plain"].append(timed_call(configs["plain"])[0])  # keep plain side by side with it
+                dt, (out, st) = timed_call(lambda: run(draft_name, ids))
+                times[draft_name].append(dt)
+                identical[draft_name] = out.token_ids == ref.token_ids
+                stats[draft_name] = st
+            times["plain"].append(timed_call(lambda: run("plain", ids))[0])  # keep plain side by side with it
         med = {c: statistics.median(v) for c, v in times.items()}
         row = {"prompt": name, "lookup_expected_to_help": helps, "prompt_tokens": len(ids), "generated_tokens": n,
                "finish_reason": ref.finish_reason, "prefill_s": round(prefill_s, 3),
                "output_head": tok.decode(ref.token_ids[:40]), "configs": {}}
         for c in times:
+            st = stats[c]
             row["configs"][c] = {
                 "median_s": round(med[c], 3),
                 "tok_s": round(n / med[c], 2),
@@ -153,10 +182,11 @@ def main() -> None:
                 "speedup": round(med["plain"] / med[c], 3),
                 "identical_to_plain": identical.get(c, True),
                 "runs": len(times[c]),
-                **({"stats": stats[c]} if c in stats else {}),
+                "stats": {**st, "acceptance_rate": round(st["accepted"] / st["drafted"], 4) if st["drafted"] else None,
+                          "tokens_per_step": round(n / st["steps"], 3)},
             }
         rows.append(row)
-        print(json.dumps({"prompt": name, **{c: (v["speedup"], v.get("stats", {}).get("acceptance_rate"))
+        print(json.dumps({"prompt": name, **{c: (v["speedup"], v["stats"]["acceptance_rate"])
                                              for c, v in row["configs"].items()}}), file=sys.stderr, flush=True)
 
     def geomean(xs):
@@ -169,7 +199,7 @@ def main() -> None:
             key = f"{c}|{'lookup_prompts' if helps else 'open_prompts'}"
             summary[key] = {"geomean_speedup": geomean([s["speedup"] for s in sel]),
                             "mean_acceptance": (round(statistics.mean(s["stats"]["acceptance_rate"] for s in sel), 3)
-                                                if sel and "stats" in sel[0] else None),
+                                                if sel and sel[0]["stats"]["acceptance_rate"] is not None else None),
                             "all_identical": all(s["identical_to_plain"] for s in sel)}
     result = {
         "benchmark": "speculative_decoding_batch1_greedy",
@@ -182,7 +212,7 @@ def main() -> None:
         "max_ngram": args.max_ngram,
         "repeats": args.repeats,
         "draft_model": (f"truncated self-draft: first {args.draft_layers} of {model.cfg.num_hidden_layers} layers "
-                        "+ final norm + LM head of the target (shared weights, untrained exit)") if draft else None,
+                        "+ final norm + LM head of the target (shared weights, untrained exit)") if draft_name else None,
         "timing": "end to end per request (prefill included; decode_tok_s subtracts a separately timed prefill)",
         "machine": machine_info(loadavg_1m_start=round(load_start, 2)),
         "summary": summary,

@@ -5,9 +5,9 @@ Both sides train the same model (tokenmind's `ModelConfig`, the reference built 
 see `SyntheticLoader`) with the same batch, sequence length, precision, AdamW hyperparameters
 and gradient clipping, in one process. What runs:
 
-* tokenmind: the real `Trainer` (only `_build_data` is replaced, the hook SFT uses too) and its
-  `train_step`: fused q/k/v and gate/up, `next_token_loss` (packed-row document mask, fp32
-  cross-entropy), clipping, its AdamW parameter groups, the LR scheduler.
+* tokenmind: the real `Trainer`, handed the synthetic loader as SFT hands it chat loaders, and
+  its `train_step`: fused q/k/v and gate/up, `NextTokenObjective` (packed-row document mask,
+  fp32 cross-entropy), clipping, its AdamW parameter groups, the LR scheduler.
 * reference: `loss = model(input_ids, labels=..., use_cache=False).loss`, backward,
   `clip_grad_norm_`, `torch.optim.AdamW(model.parameters())`, `zero_grad`; SDPA attention.
 
@@ -41,12 +41,15 @@ import time
 import torch
 
 from _common import emit, machine_info, timed
-from tokenmind.data.loader import Batch
+from tokenmind.data.loader import TokenBatch
 from tokenmind.model.checkpoint import to_hf_state_dict
 from tokenmind.model.config import ModelConfig
+from tokenmind.model.transformer import Transformer
 from tokenmind.train.config import DataSection, OptimSection, RunConfig, ScheduleSection, TrainSection
+from tokenmind.train.distributed import init_distributed
 from tokenmind.train.metrics import mfu
-from tokenmind.train.trainer import Trainer, autocast
+from tokenmind.train.objectives import autocast
+from tokenmind.train.trainer import Trainer
 
 TARGET_SPEEDUP = 1.5  # the project's goal on CPU (on a GPU: MFU >= 50% for a ~124M model)
 
@@ -54,7 +57,7 @@ TARGET_SPEEDUP = 1.5  # the project's goal on CPU (on a GPU: MFU >= 50% for a ~1
 class SyntheticLoader:
     """Endless seeded batches of a learnable toy language: after each token comes perm[token]
     with probability 3/4, else a uniform one, so the loss can fall well below ln(vocab). One
-    document per row (doc_ids 0, positions 0..T-1). Two loaders with the same seed yield the
+    document per row (document_ids 0, positions 0..T-1). Two loaders with the same seed yield the
     same batches, which is how both sides of the benchmark see identical data."""
 
     def __init__(self, vocab_size: int, batch_size: int, seq_len: int, seed: int) -> None:
@@ -64,7 +67,7 @@ class SyntheticLoader:
     def __iter__(self) -> SyntheticLoader:
         return self
 
-    def __next__(self) -> Batch:
+    def __next__(self) -> TokenBatch:
         B, T, V, g = self.batch_size, self.seq_len, self.vocab_size, self.generator
         rows = torch.empty(B, T + 1, dtype=torch.long)
         rows[:, 0] = torch.randint(V, (B,), generator=g)
@@ -74,7 +77,7 @@ class SyntheticLoader:
             rows[:, t + 1] = torch.where(follow[:, t], self.perm[rows[:, t]], noise[:, t])
         self.batches += 1
         zeros = torch.zeros(B, T, dtype=torch.long)
-        return Batch(rows[:, :-1].contiguous(), rows[:, 1:].contiguous(), zeros, torch.arange(T).repeat(B, 1))
+        return TokenBatch(rows[:, :-1].contiguous(), rows[:, 1:].contiguous(), zeros, torch.arange(T).repeat(B, 1))
 
     def state_dict(self) -> dict:
         return {"batches": self.batches}
@@ -87,13 +90,12 @@ class SyntheticLoader:
             next(self)
 
 
-class BenchTrainer(Trainer):
-    """The pre-training `Trainer` unchanged except for where batches come from."""
-
-    def _build_data(self) -> None:
-        data = self.cfg.data
-        self.loader = SyntheticLoader(self.cfg.model.vocab_size, data.batch_size, data.seq_len, data.seed)
-        self.val_loader = None
+def build_trainer(cfg: RunConfig) -> Trainer:
+    """The pre-training `Trainer` (a randomly initialized cfg.model, next-token loss) fed synthetic batches."""
+    model = Transformer(cfg.model)
+    model.init_weights(cfg.train.init_std, torch.Generator().manual_seed(cfg.train.seed))
+    loader = SyntheticLoader(cfg.model.vocab_size, cfg.data.batch_size, cfg.data.seq_len, cfg.data.seed)
+    return Trainer(cfg, init_distributed("none", cfg.train.device), model, loader)
 
 
 def reference_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader: SyntheticLoader,
@@ -133,11 +135,7 @@ def run(args: argparse.Namespace) -> dict:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as out_dir:  # the Trainer wants one; train_step writes nothing
         cfg = build_config(args, out_dir)
-        trainer = BenchTrainer(cfg)
-        try:
-            result = _measure(args, cfg, trainer, transformers)
-        finally:
-            trainer.close()
+        result = _measure(args, cfg, build_trainer(cfg), transformers)
     result["elapsed_s"] = round(time.perf_counter() - started, 1)
     result["machine"] = machine_info(loadavg_start=[round(x, 2) for x in load_start],
                                      loadavg_end=[round(x, 2) for x in os.getloadavg()])
@@ -160,7 +158,7 @@ def _measure(args: argparse.Namespace, cfg: RunConfig, trainer: Trainer, transfo
 
     losses: dict[str, list[float]] = {"tokenmind": [], "reference": []}
     steps = {
-        "tokenmind": lambda: losses["tokenmind"].append(trainer.train_step()[0]),
+        "tokenmind": lambda: losses["tokenmind"].append(trainer.train_step()["loss"]),
         "reference": lambda: losses["reference"].append(
             reference_step(reference, ref_optimizer, ref_loader, device, precision, o.grad_clip)),
     }

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tokenmind.data.loader import Batch, LoaderConfig, PackedLoader
+from tokenmind.data.loader import LoaderConfig, PackedLoader, TokenBatch
 from tokenmind.data.shards import ShardConfig, ShardWriter, TokenShards
 
 EOS = 0
@@ -33,22 +33,22 @@ def loader(shards: TokenShards, **overrides: object) -> PackedLoader:
     return PackedLoader(shards, LoaderConfig(**cfg))  # type: ignore[arg-type]
 
 
-def take(it: PackedLoader, count: int) -> list[Batch]:
+def take(it: PackedLoader, count: int) -> list[TokenBatch]:
     return [next(it) for _ in range(count)]
 
 
-def assert_same(a: list[Batch], b: list[Batch]) -> None:
+def assert_same(a: list[TokenBatch], b: list[TokenBatch]) -> None:
     assert len(a) == len(b)
     for x, y in zip(a, b):
-        for field_a, field_b in zip(x, y):
-            assert torch.equal(field_a, field_b)
+        for name, tensor in vars(x).items():
+            assert torch.equal(tensor, getattr(y, name)), name
 
 
 def test_rows_are_stream_windows_with_shifted_targets(corpus) -> None:
     shards, stream, _ = corpus
     it = loader(shards)
     batch = next(it)
-    assert all(t.shape == (4, SEQ) and t.dtype == torch.int64 for t in batch)
+    assert all(t.shape == (4, SEQ) and t.dtype == torch.int64 for t in vars(batch).values())
     for row, index in zip(range(4), it.rows_for_epoch(0)[:4]):
         window = stream[index * SEQ : index * SEQ + SEQ + 1]
         np.testing.assert_array_equal(batch.input_ids[row].numpy(), window[:-1])
@@ -64,15 +64,15 @@ def test_doc_ids_and_positions_restart_at_document_boundaries(corpus) -> None:
         for row in range(8):
             start = (batch_index * 8 + row) * SEQ
             docs = doc_of_token[start : start + SEQ]
-            np.testing.assert_array_equal(batch.doc_ids[row].numpy(), docs - docs[0])
+            np.testing.assert_array_equal(batch.document_ids[row].numpy(), docs - docs[0])
             expected_positions = []
             for t in range(SEQ):
                 new_segment = t == 0 or docs[t] != docs[t - 1]
                 expected_positions.append(0 if new_segment else expected_positions[-1] + 1)
-            np.testing.assert_array_equal(batch.position_ids[row].numpy(), expected_positions)
+            np.testing.assert_array_equal(batch.positions[row].numpy(), expected_positions)
             # A new document starts exactly after each eos input.
             inputs = batch.input_ids[row].numpy()
-            starts = np.flatnonzero(np.diff(batch.doc_ids[row].numpy())) + 1
+            starts = np.flatnonzero(np.diff(batch.document_ids[row].numpy())) + 1
             np.testing.assert_array_equal(starts, np.flatnonzero(inputs[:-1] == EOS) + 1)
 
 

@@ -5,11 +5,10 @@ import threading
 import time
 
 import pytest
-from test_engine_llm import ByteTokenizer, ScriptedModel, tiny_model
+from test_engine_llm import ByteTokenizer, ScriptedModel, naive_greedy, tiny_model
 
 from tokenmind.engine.async_engine import AsyncEngine, EngineFailed
 from tokenmind.engine.config import EngineConfig
-from tokenmind.engine.generate import generate
 from tokenmind.engine.llm import Engine
 from tokenmind.engine.sampling import SamplingParams
 
@@ -36,7 +35,7 @@ async def wait_idle(engine, timeout=5.0):
     raise AssertionError("the engine did not go idle")
 
 
-def test_concurrent_streams_match_generate(model):
+def test_concurrent_streams_match_naive_decoding(model):
     prompts = [[1, 2, 3], list(range(10, 27)), [5, 9]]
 
     async def main():
@@ -48,7 +47,7 @@ def test_concurrent_streams_match_generate(model):
 
     results, stats = asyncio.run(main())
     for prompt, outs in zip(prompts, results):
-        ref = generate(model, prompt, GREEDY).token_ids
+        ref = naive_greedy(model, prompt, GREEDY.max_tokens)
         assert [t for o in outs for t in o.new_token_ids] == ref  # the deltas add up
         assert outs[-1].token_ids == ref and outs[-1].finished and not any(o.finished for o in outs[:-1])
     assert stats.num_steps < 3 * GREEDY.max_tokens  # they ran in the same batches

@@ -1,5 +1,7 @@
-"""The batched engine against the simple `generate()` loop, on a tiny random model and a scripted one."""
+"""The engine against naive full-recompute decoding and against itself running one request alone,
+on a tiny random model and a scripted one."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -7,7 +9,6 @@ import torch
 from test_eval_fixtures import EOS, ByteTokenizer
 
 from tokenmind.engine.config import EngineConfig
-from tokenmind.engine.generate import generate
 from tokenmind.engine.llm import LLM, Engine, OutputStream
 from tokenmind.engine.sampling import SamplingParams
 from tokenmind.model.config import ModelConfig
@@ -23,6 +24,26 @@ def tiny_model(vocab=64, context=64):
     model = Transformer(cfg).eval()
     model.init_weights(std=0.5)  # large weights → peaked, varied distributions
     return model
+
+
+def naive_greedy(model, prompt, max_tokens, stop_ids=()):
+    """Recompute the whole sequence for every token, no cache: the obvious reference."""
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(min(max_tokens, model.cfg.max_position_embeddings - len(prompt))):
+            token = int(model(torch.tensor([ids]))[0, -1].argmax())
+            if token in stop_ids:
+                break
+            ids.append(token)
+            out.append(token)
+    return out
+
+
+def solo(model, prompt, params, **config):
+    """The engine's tokens for one request running alone."""
+    engine = Engine(model, config=EngineConfig(**{"block_size": 4, **config}))
+    rid = engine.add_request(prompt, params)
+    return run(engine)[0][rid].token_ids
 
 
 def pool_bytes(model, blocks, block_size=4):
@@ -61,11 +82,11 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0)
 
 @pytest.fixture(scope="module")
 def references(model, prompts):
-    return [generate(model, p, GREEDY).token_ids for p in prompts]
+    return [naive_greedy(model, p, GREEDY.max_tokens) for p in prompts]
 
 
 @pytest.mark.parametrize("case", ["roomy", "preemption", "chunked", "no_prefix_cache"])
-def test_batched_greedy_equals_generate_alone(model, prompts, references, case):
+def test_batched_greedy_equals_naive_decoding(model, prompts, references, case):
     options = {"roomy": dict(),
                "preemption": dict(kv_cache_bytes=pool_bytes(model, 14)),  # < half of what 6 sequences need
                "chunked": dict(max_num_batched_tokens=6, max_num_seqs=6),  # the 30-token prompt takes 5+ steps
@@ -108,7 +129,7 @@ def test_prefix_cache_computes_a_shared_system_prompt_once(model):
     assert first[a].num_cached_tokens == 0
     assert second[b].num_cached_tokens == 16  # the second request computes 2 prompt tokens, not 18
     assert engine.stats().prefix_cache_hit_rate == pytest.approx(16 / (19 + 18))
-    assert second[b].token_ids == generate(model, system + [50, 51], GREEDY).token_ids
+    assert second[b].token_ids == naive_greedy(model, system + [50, 51], GREEDY.max_tokens)
     assert_no_leaks(engine)
 
 
@@ -123,16 +144,15 @@ def test_n_completions_share_the_prompt_and_reproduce_their_seeds(model):
     finals, _ = run(engine)
     outs = finals[rid].outputs
     assert [o.index for o in outs] == [0, 1, 2]
-    for i, o in enumerate(outs):  # sibling i samples with seed + i, exactly like generate() would
-        ref = generate(model, prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=3 + i))
-        assert o.token_ids == ref.token_ids
+    for i, o in enumerate(outs):  # sibling i samples with seed + i, exactly like a request of its own
+        assert o.token_ids == solo(model, prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=3 + i))
     assert len({tuple(o.token_ids) for o in outs}) == 3
     assert engine.block_manager.num_copies >= 2
     assert_no_leaks(engine)
 
 
 def test_n_completions_under_preemption(model, prompts):
-    """Siblings and other requests fight over a tiny pool: everything still matches generate()."""
+    """Siblings and other requests fight over a tiny pool: everything still matches running alone."""
     engine = Engine(model, config=EngineConfig(block_size=4, kv_cache_bytes=pool_bytes(model, 12), max_num_seqs=6))
     sampled = SamplingParams(max_tokens=14, temperature=1.0, seed=5, n=3)
     a = engine.add_request(prompts[1], sampled)
@@ -140,24 +160,22 @@ def test_n_completions_under_preemption(model, prompts):
     finals, _ = run(engine)
     assert engine.stats().num_preemptions > 0
     for i, o in enumerate(finals[a].outputs):
-        ref = generate(model, prompts[1], SamplingParams(max_tokens=14, temperature=1.0, seed=5 + i))
-        assert o.token_ids == ref.token_ids
-    assert finals[b].token_ids == generate(model, prompts[2], GREEDY).token_ids
+        assert o.token_ids == solo(model, prompts[1], SamplingParams(max_tokens=14, temperature=1.0, seed=5 + i))
+    assert finals[b].token_ids == naive_greedy(model, prompts[2], GREEDY.max_tokens)
     assert_no_leaks(engine)
 
 
 def test_seeded_sampling_ignores_batch_composition(model, prompts):
     params = SamplingParams(max_tokens=16, temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=11)
-    alone = Engine(model, config=EngineConfig(block_size=4))
-    rid = alone.add_request(prompts[1], params)
-    ref = run(alone)[0][rid].token_ids
+    ref = solo(model, prompts[1], params)
     crowded = Engine(model, config=EngineConfig(block_size=4, kv_cache_bytes=pool_bytes(model, 16)))
     crowded.add_request(prompts[0], SamplingParams(max_tokens=16, temperature=1.2))
     rid = crowded.add_request(prompts[1], params)
     crowded.add_request(prompts[2], SamplingParams(max_tokens=16, temperature=0.5, seed=1))
     crowded.add_request(prompts[3], GREEDY)
     assert run(crowded)[0][rid].token_ids == ref
-    assert ref == generate(model, prompts[1], params).token_ids
+    assert ref == solo(model, prompts[1], params) and ref != solo(model, prompts[1], dataclasses.replace(params,
+                                                                                                        seed=12))
 
 
 def test_logprobs_are_log_softmax_of_the_logits(model, prompts):
@@ -248,7 +266,7 @@ class ScriptedModel(Transformer):
                                      num_attention_heads=2, max_position_embeddings=128))
         self.script = list(script) + [EOS]
 
-    def hidden_states(self, input_ids, positions=None, **kw):
+    def hidden_states(self, input_ids, positions=None, *args, **kw):
         return positions[..., None].float()
 
     def logits(self, hidden):
@@ -308,7 +326,7 @@ def test_llm_generate_text_prompts_in_order():
 
 
 @pytest.mark.slow
-def test_smollm2_batched_equals_generate_and_stops_on_a_string():
+def test_smollm2_batched_equals_naive_decoding_and_stops_on_a_string():
     pretrained = load_pretrained("smollm2")
     llm = LLM(pretrained, max_num_seqs=4, kv_cache_bytes=32 << 20)
     tok = pretrained.tokenizer
@@ -316,8 +334,7 @@ def test_smollm2_batched_equals_generate_and_stops_on_a_string():
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     outs = llm.generate(prompts, params)
     for prompt, out in zip(prompts, outs):
-        ref = generate(pretrained.model, tok.encode(prompt, add_special_tokens=True), params)
-        assert out.token_ids == ref.token_ids
+        assert out.token_ids == naive_greedy(pretrained.model, tok.encode(prompt, add_special_tokens=True), 6)
     chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                    add_generation_prompt=True)
     answer = llm.generate([chat], SamplingParams(max_tokens=12, temperature=0, stop=["."]))[0]

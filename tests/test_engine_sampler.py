@@ -1,10 +1,11 @@
-"""Batched sampler: penalties and min-p on hand-made logits, per-row seeds, logprobs, parity with filter_logits."""
+"""Batched sampler: penalties, top-k/p and min-p on hand-made logits, per-row seeds, logprobs, and a
+row-by-row reference written from the definitions."""
 
 import pytest
 import torch
 
 from tokenmind.engine.sampler import apply_penalties, filter_batch, sample_batch
-from tokenmind.engine.sampling import SamplingParams, filter_logits
+from tokenmind.engine.sampling import SamplingParams, make_generator
 from tokenmind.engine.sequence import Sequence
 
 
@@ -42,8 +43,62 @@ def test_min_p_drops_tokens_below_a_fraction_of_the_top_probability():
     assert kept.tolist() == [[True, True, True, False]]  # 0.05 < 0.2 * 0.5
     kept = torch.isfinite(filter_batch(logits, [SamplingParams(min_p=0.5)]))
     assert kept.tolist() == [[True, True, False, False]]
-    assert torch.equal(filter_batch(logits, [SamplingParams(min_p=0.2)]),
-                       filter_logits(logits, SamplingParams(min_p=0.2)))
+    assert torch.equal(filter_batch(logits, [SamplingParams(min_p=0.2)]), reference_filter(logits[0],
+                                                                                            SamplingParams(min_p=0.2)))
+
+
+def reference_filter(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """One row, straight from the definitions, token by token: what survives keeps its tempered logit."""
+    logits = row.float() / p.temperature
+    probs = logits.softmax(-1)
+    order = sorted(range(len(row)), key=lambda i: -logits[i].item())
+    keep = set(order)
+    if p.top_k:  # the k largest (and ties with the kth)
+        kth = logits[order[min(p.top_k, len(row)) - 1]].item()
+        keep = {i for i in keep if logits[i].item() >= kth}
+    if p.top_p < 1:  # a token goes when the mass of the better ones (among the kept) reaches top_p
+        kept = torch.tensor([logits[i].item() if i in keep else float("-inf") for i in range(len(row))]).softmax(-1)
+        mass = 0.0
+        for i in order:
+            if mass >= p.top_p:
+                keep.discard(i)
+            mass += kept[i].item()
+    out = torch.tensor([logits[i].item() if i in keep else float("-inf") for i in range(len(row))])
+    if p.min_p:
+        probs = out.softmax(-1)
+        out = out.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    return out[None]
+
+
+def test_top_k_keeps_exactly_k_and_top_p_the_smallest_nucleus():
+    logits = torch.tensor([[1.0, 5.0, 3.0, 4.0, 2.0]])
+    assert torch.isfinite(filter_batch(logits, [SamplingParams(top_k=2)])).tolist() == [[False, True, False, True,
+                                                                                          False]]
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    assert torch.isfinite(filter_batch(logits, [SamplingParams(top_p=0.75)])).tolist() == [[True, True, False, False]]
+    assert torch.isfinite(filter_batch(logits, [SamplingParams(top_p=0.1)])).tolist() == [[True, False, False, False]]
+
+
+def test_sampling_frequencies_follow_temperature():
+    logits = torch.tensor([[0.0, 1.0]])
+    for temperature in (1.0, 0.5):
+        s = seq([0], temperature=temperature, seed=0)
+        draws = [sample_batch(logits, [s])[0][0] for _ in range(4000)]
+        expected = torch.softmax(logits / temperature, -1)[0, 1].item()
+        assert abs(sum(draws) / len(draws) - expected) < 0.03
+
+
+@pytest.mark.parametrize("bad,match", [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"),
+                                       ({"top_p": 0.0}, "top_p"), ({"top_k": -2}, "top_k")])
+def test_bad_sampling_params_are_named(bad, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**bad)
+
+
+def test_a_seed_reproduces_and_no_seed_differs():
+    a, b = make_generator(7), make_generator(7)
+    assert torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))
+    assert not torch.equal(torch.rand(4, generator=make_generator(None)), torch.rand(4, generator=make_generator(None)))
 
 
 def test_batched_filter_equals_the_single_row_reference():
@@ -54,7 +109,10 @@ def test_batched_filter_equals_the_single_row_reference():
               SamplingParams(min_p=0.3)]
     got = filter_batch(logits, params)
     for i, p in enumerate(params):
-        assert torch.equal(got[i], filter_logits(logits[i:i + 1], p)[0])
+        ref = reference_filter(logits[i], p)
+        kept = torch.isfinite(ref)
+        assert torch.equal(torch.isfinite(got[i:i + 1]), kept) and kept.sum() >= 1
+        assert torch.allclose(got[i:i + 1][kept], ref[kept], atol=1e-5)
 
 
 def test_greedy_rows_take_the_argmax_and_consume_no_randomness():

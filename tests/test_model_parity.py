@@ -4,8 +4,12 @@ import pytest
 import torch
 import transformers
 
+from test_paged_attention import Pool, run_step
+
+from tokenmind.model.attention import DenseAttentionMetadata
 from tokenmind.model.checkpoint import from_hf_state_dict
 from tokenmind.model.config import ModelConfig
+from tokenmind.model.paged_attention import PagedKVCache
 from tokenmind.model.transformer import Transformer
 
 TOL = 1e-4
@@ -69,52 +73,34 @@ def test_padded_batch_matches_hf(case):
     ids, mask, pos = left_padded_batch(cfg, [11, 7, 3], torch.Generator().manual_seed(2))
     with torch.no_grad():
         ref = hf(ids, attention_mask=mask, position_ids=pos).logits
-        got = ours(ids, pos, attention_mask=mask)
+        got = ours(ids, pos, DenseAttentionMetadata(key_padding=mask.bool()))
     real = mask.bool()
     assert (ref[real] - got[real]).abs().max().item() <= TOL
     assert torch.isfinite(got).all()
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_kv_cache_decode_matches_hf_cache(case):
-    """Prefill part of a padded batch, then one token at a time through the cache, same steps in HF."""
+def test_paged_cache_decode_matches_hf_cache(case):
+    """Two sequences through the block pool, batched in the same steps — a 6-token prefill chunk,
+    then one token at a time — against HF running each alone with its own DynamicCache."""
     cfg, hf, ours = make_pair(case)
-    ids, mask, pos = left_padded_batch(cfg, [12, 9], torch.Generator().manual_seed(3))
-    chunks = [(0, 6)] + [(t, t + 1) for t in range(6, ids.shape[1])]
-    ref, got = [], []
-    with torch.no_grad():
-        past = transformers.DynamicCache(config=hf.config)
-        cache = ours.new_kv_cache(batch_size=2, max_len=16)
-        for a, b in chunks:
-            out = hf(ids[:, a:b], attention_mask=mask[:, :b], position_ids=pos[:, a:b], past_key_values=past,
-                     use_cache=True)
-            ref.append(out.logits)
-            got.append(ours(ids[:, a:b], pos[:, a:b], attention_mask=mask[:, a:b], kv_cache=cache))
-    ref, got = torch.cat(ref, 1), torch.cat(got, 1)
-    real = mask.bool()
-    assert cache.length == ids.shape[1]
-    assert (ref[real] - got[real]).abs().max().item() <= TOL
-    if case != "rope-dynamic":  # dynamic NTK rescales with length, so only it may differ from one pass
+    g = torch.Generator().manual_seed(3)
+    tokens = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (12, 9)]
+    pool, cache = Pool(16), PagedKVCache(cfg, num_blocks=16, block_size=4)
+    seqs = [(t, pool.table(len(t))) for t in tokens]
+    got: list[list[torch.Tensor]] = [[], []]
+    for step in range(12 - 5):
+        chunks = [(0, 6) if step == 0 else (min(5 + step, len(t)), min(6 + step, len(t))) for t, _ in seqs]
+        live = [i for i, (a, b) in enumerate(chunks) if b > a]
+        for i, out in zip(live, run_step(ours, cache, [seqs[i] for i in live], [chunks[i] for i in live])):
+            got[i].append(out)
+    for t, mine in zip(tokens, got):
+        ids = torch.tensor([t])
         with torch.no_grad():
-            full = ours(ids, pos, attention_mask=mask)
-        assert (full[real] - got[real]).abs().max().item() <= TOL
-
-
-def test_kv_cache_unpadded_chunks_match_full_forward():
-    cfg, hf, ours = make_pair("llama-gqa")
-    ids = torch.randint(0, cfg.vocab_size, (1, 20), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        ref = ours(ids)
-        cache = ours.new_kv_cache(1, 32)
-        got = torch.cat([ours(ids[:, a:b], kv_cache=cache) for a, b in [(0, 7), (7, 8), (8, 15), (15, 20)]], 1)
-    assert (ref - got).abs().max().item() <= TOL
-
-
-def test_kv_cache_overflow_is_a_clear_error():
-    cfg, _, ours = make_pair("llama-gqa")
-    cache = ours.new_kv_cache(1, 4)
-    with pytest.raises(ValueError, match="KV cache full"):
-        ours(torch.zeros(1, 5, dtype=torch.long), kv_cache=cache)
+            past = transformers.DynamicCache(config=hf.config)
+            ref = torch.cat([hf(ids[:, a:b], past_key_values=past, use_cache=True).logits[0]
+                             for a, b in [(0, 6)] + [(p, p + 1) for p in range(6, len(t))]])
+        assert (ref - torch.cat(mine)).abs().max().item() <= TOL
 
 
 def test_attention_softcapping_matches_manual_reference():
@@ -172,7 +158,7 @@ def test_document_ids_isolate_packed_documents():
     docs = torch.tensor([[0] * 7 + [1] * 5])
     pos = torch.tensor([list(range(7)) + list(range(5))])
     with torch.no_grad():
-        got = ours(packed, pos, document_ids=docs)
+        got = ours(packed, pos, DenseAttentionMetadata(document_ids=docs))
         alone = torch.cat([ours(a), ours(b)], 1)
         leaky = ours(packed)
     assert (got - alone).abs().max().item() <= TOL
@@ -181,10 +167,25 @@ def test_document_ids_isolate_packed_documents():
 
 def test_single_document_rows_take_the_plain_causal_path():
     """Rows that are one document each need no mask tensor (SDPA's causal kernel); mixed rows do."""
-    from tokenmind.model.transformer import AttnMask
-
-    slots = torch.arange(6)
-    single = AttnMask(slots, 6, None, None, document_ids=torch.tensor([[3] * 6, [0] * 6]))
+    pos = torch.arange(6).expand(2, 6)
+    single = DenseAttentionMetadata(document_ids=torch.tensor([[3] * 6, [0] * 6])).resolve(pos, None)
     assert single.causal and single.tensor is None
-    mixed = AttnMask(slots, 6, None, None, document_ids=torch.tensor([[0, 0, 0, 1, 1, 1], [0] * 6]))
+    mixed = DenseAttentionMetadata(document_ids=torch.tensor([[0, 0, 0, 1, 1, 1], [0] * 6])).resolve(pos, None)
     assert not mixed.causal and mixed.tensor.shape == (2, 1, 6, 6) and not mixed.tensor[0, 0, 3, 2]
+
+
+def test_a_shared_prefix_serves_several_continuations_in_one_row():
+    """context + continuation a + continuation b in one row: each continuation sees the context and
+    itself (positions restart after the context), exactly as when it runs alone after the context."""
+    _, _, ours = make_pair("mistral-window")  # a sliding window must follow positions, not row order
+    g = torch.Generator().manual_seed(6)
+    ctx, a, b = (torch.randint(0, 101, (1, n), generator=g) for n in (6, 4, 3))
+    row = torch.cat([ctx, a, b], 1)
+    docs = torch.tensor([[0] * 6 + [1] * 4 + [2] * 3])
+    pos = torch.tensor([list(range(6)) + list(range(6, 10)) + list(range(6, 9))])
+    meta = DenseAttentionMetadata(document_ids=docs, prefix_len=torch.tensor([6]))
+    with torch.no_grad():
+        got = ours(row, pos, meta)
+        alone_a, alone_b = ours(torch.cat([ctx, a], 1)), ours(torch.cat([ctx, b], 1))
+    assert (got[:, :10] - alone_a).abs().max().item() <= TOL
+    assert (got[:, 10:] - alone_b[:, 6:]).abs().max().item() <= TOL

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from test_engine_llm import solo
 from torch import nn
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
-from tokenmind.engine.generate import generate
 from tokenmind.engine.sampling import SamplingParams
 from tokenmind.model.checkpoint import build_model
 from tokenmind.model.config import ModelConfig
@@ -187,7 +187,7 @@ def test_quantize_model_logits_stay_close_to_fp32(scheme, group_size, max_rel_er
     assert weight_bytes(q)["linear"] < weight_bytes(ref)["linear"] / (2 if scheme == "int8" else 4)
     if scheme == "int8":
         params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-        a, b = generate(ref, [5, 17, 3, 60], params).token_ids, generate(q, [5, 17, 3, 60], params).token_ids
+        a, b = solo(ref, [5, 17, 3, 60], params), solo(q, [5, 17, 3, 60], params)
         assert np.mean([x == y for x, y in zip(a, b)]) >= 0.9, (a, b)
 
 
@@ -331,8 +331,7 @@ def test_load_pretrained_int4_copies_gguf_blocks_into_a_ready_model(tmp_path):
     model = pretrained.model
     assert isinstance(model.layers[0].mlp.gate_up_proj, Int4Linear) and isinstance(model.lm_head, Int8Linear)
     assert model.layers[0].mlp.gate_up_proj.compute_dtype == torch.bfloat16
-    out = generate(model, [1, 2, 3], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
-    assert len(out.token_ids) == 5
+    assert len(solo(model, [1, 2, 3], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))) == 5
     with pytest.raises(ValueError, match="unknown quantization 'int3'.*int8, int4"):
         load_pretrained(path, quantize="int3")
 

@@ -1,6 +1,6 @@
 """The OpenAI API through the official `openai` client (sync, async, streaming) on a live uvicorn server.
 
-Greedy outputs are checked against `generate()` on the same tiny model, token for token, so the
+Greedy outputs are checked against naive decoding on the same tiny model, token for token, so the
 server adds nothing and loses nothing between the engine and the wire.
 """
 
@@ -10,10 +10,9 @@ import logging
 import httpx
 import openai
 import pytest
+from test_engine_llm import naive_greedy
 from test_serve_fixtures import MODEL, LiveServer, tiny_pretrained
 
-from tokenmind.engine.generate import generate
-from tokenmind.engine.sampling import SamplingParams
 from tokenmind.serve import ServeConfig
 from tokenmind.serve.server import warn_if_exposed
 
@@ -37,8 +36,7 @@ def client(server):
 def reference(pretrained, messages, max_tokens):
     """What the model says greedily, computed without the server."""
     ids = pretrained.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    out = generate(pretrained.model, ids, SamplingParams(max_tokens=max_tokens, temperature=0))
-    return pretrained.tokenizer.decode(out.token_ids), len(ids)
+    return pretrained.tokenizer.decode(naive_greedy(pretrained.model, ids, max_tokens)), len(ids)
 
 
 def chat(content):
@@ -122,7 +120,7 @@ def test_completions_batch_n_seed_and_logprobs(pretrained, client):
         assert "".join(lp.tokens) == choice.text and lp.text_offset == list(range(6))
         assert len(lp.token_logprobs) == 6 and all(len(top) == 3 and max(top.values()) <= 0 for top in lp.top_logprobs)
     greedy = client.completions.create(model=MODEL, prompt=[84, 104, 101], max_tokens=5, temperature=0)  # ids of "The"
-    ref = generate(pretrained.model, [84, 104, 101], SamplingParams(max_tokens=5, temperature=0)).token_ids
+    ref = naive_greedy(pretrained.model, [84, 104, 101], 5)
     assert greedy.choices[0].text == pretrained.tokenizer.decode(ref)
 
 

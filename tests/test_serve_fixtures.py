@@ -66,10 +66,10 @@ class TinyChatModel(Transformer):
         mask[32:127] = 0.0
         self.register_buffer("mask", mask, persistent=False)
 
-    def hidden_states(self, input_ids, positions=None, **kw):
+    def hidden_states(self, input_ids, positions=None, *args, **kw):
         if self.step_delay:
             time.sleep(self.step_delay)
-        return super().hidden_states(input_ids, positions, **kw)
+        return super().hidden_states(input_ids, positions, *args, **kw)
 
     def logits(self, hidden):
         return super().logits(hidden) + self.mask

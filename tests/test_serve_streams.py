@@ -6,10 +6,9 @@ import threading
 import httpx
 import openai
 import pytest
+from test_engine_llm import naive_greedy
 from test_serve_fixtures import MODEL, LiveServer, sse_events, tiny_pretrained
 
-from tokenmind.engine.generate import generate
-from tokenmind.engine.sampling import SamplingParams
 
 CHAT = "/v1/chat/completions"
 
@@ -74,8 +73,7 @@ def test_64_concurrent_streaming_clients_each_get_their_complete_stream():
     expected = []
     for p in prompts:
         ids = pretrained.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
-        out = generate(pretrained.model, ids, SamplingParams(max_tokens=16, temperature=0))
-        expected.append(pretrained.tokenizer.decode(out.token_ids))
+        expected.append(pretrained.tokenizer.decode(naive_greedy(pretrained.model, ids, 16)))
 
     with LiveServer(pretrained) as server:
         async def main():

@@ -12,7 +12,8 @@ import torch
 from test_sft_helpers import conversations, tiny_tokenizer
 from test_train_helpers import one_thread  # noqa: F401 (autouse fixture)
 
-from tokenmind.data.loader import Batch, LoaderConfig
+from tokenmind.data.loader import IGNORE_INDEX, LoaderConfig, TokenBatch
+from tokenmind.model.attention import DenseAttentionMetadata
 from tokenmind.model.config import ModelConfig
 from tokenmind.model.transformer import Transformer
 from tokenmind.posttrain.data import (
@@ -24,7 +25,7 @@ from tokenmind.posttrain.data import (
     to_example,
 )
 from tokenmind.tokenizer import Tokenizer
-from tokenmind.train.trainer import IGNORE_INDEX, next_token_loss
+from tokenmind.train.objectives import NextTokenObjective
 
 SEQ = 96
 
@@ -43,7 +44,7 @@ def model(tok: Tokenizer) -> Transformer:
     return model.eval()
 
 
-def all_rows(tok: Tokenizer, chats: list, seq_len: int = SEQ) -> tuple[ChatLoader, Batch]:
+def all_rows(tok: Tokenizer, chats: list, seq_len: int = SEQ) -> tuple[ChatLoader, TokenBatch]:
     """Every packed row of `chats` (no val split), in packing order, as one batch."""
     data = prepare_chat_data(tok, chats, seq_len)
     rows = len(pack([len(e.inputs) for e in data.train], seq_len))
@@ -58,7 +59,7 @@ def test_collated_targets_are_exactly_the_assistant_tokens(tok: Tokenizer) -> No
     for r, row in enumerate(loader.rows):
         for doc, index in enumerate(row):  # no val split, nothing dropped: example index = chat index
             ids, mask = tok.render_chat(chats[index])
-            span = batch.doc_ids[r] == doc
+            span = batch.document_ids[r] == doc
             assert batch.input_ids[r][span].tolist() == ids
             targets = batch.targets[r][span].tolist()
             expected = [ids[i + 1] if mask[i + 1] else IGNORE_INDEX for i in range(len(ids) - 1)]
@@ -66,7 +67,7 @@ def test_collated_targets_are_exactly_the_assistant_tokens(tok: Tokenizer) -> No
             answers = "".join(m["content"] + "<|im_end|>" for m in chats[index] if m["role"] == "assistant")
             assert tok.decode([t for t in targets if t != IGNORE_INDEX]) == answers  # content + end of turn
             seen += 1
-        padding = batch.doc_ids[r] == len(row)
+        padding = batch.document_ids[r] == len(row)
         assert (batch.targets[r][padding] == IGNORE_INDEX).all()
     assert seen == len(chats)
 
@@ -78,7 +79,7 @@ def test_only_assistant_targets_move_the_loss(tok: Tokenizer, model: Transformer
     def loss(labels: list[int]) -> torch.Tensor:
         targets = to_example(labels, mask, SEQ).targets
         row = (inputs, targets, np.zeros_like(inputs), np.arange(len(inputs)))
-        return next_token_loss(model, Batch(*(torch.tensor(a)[None] for a in row)), torch.device("cpu"), "fp32")
+        return NextTokenObjective()(model, TokenBatch(*(torch.tensor(a)[None] for a in row)), "fp32").loss
 
     base = loss(ids)
     for i in range(1, len(ids)):
@@ -99,15 +100,15 @@ def test_packed_conversations_get_the_logits_they_get_alone(tok: Tokenizer, mode
     loader, batch = all_rows(tok, conversations(repeats=1))
     assert max(len(row) for row in loader.rows) >= 3  # rows really hold several conversations
     with torch.no_grad():
-        packed = model(batch.input_ids, batch.position_ids, document_ids=batch.doc_ids)
-        unmasked = model(batch.input_ids, batch.position_ids)
+        packed = model(batch.input_ids, batch.positions, DenseAttentionMetadata(document_ids=batch.document_ids))
+        unmasked = model(batch.input_ids, batch.positions)
     for r, row in enumerate(loader.rows):
-        docs = batch.doc_ids[r]
+        docs = batch.document_ids[r]
         assert (docs.diff() >= 0).all() and docs[0] == 0 and docs[-1] <= len(row)
         for doc in range(len(row)):
             span = docs == doc
             inputs = batch.input_ids[r][span]
-            assert batch.position_ids[r][span].tolist() == list(range(len(inputs)))  # restarts per conversation
+            assert batch.positions[r][span].tolist() == list(range(len(inputs)))  # restarts per conversation
             with torch.no_grad():
                 alone = model(inputs[None])[0]
             torch.testing.assert_close(packed[r][span], alone, rtol=1e-5, atol=1e-5)

@@ -1,5 +1,5 @@
 """Shared pieces of the tests/test_sft_*.py files: a planted Q→A chat set, a tiny BPE tokenizer
-trained on it, a tiny random model saved as an HF directory, and a tiny SFT config.
+trained on it, a tiny random model saved as an HF directory, a tiny SFT config and its trainer.
 
 The planted task: "What color is a <fruit>?" → "<color>". The answer is a lookup of a word the
 user wrote, which a 2-layer model learns in a few dozen steps, and greedy decoding either gets
@@ -16,9 +16,11 @@ import torch
 from tokenmind.model.checkpoint import save_hf_dir
 from tokenmind.model.config import ModelConfig
 from tokenmind.model.transformer import Transformer
-from tokenmind.posttrain import SFTConfig, load_sft_config
+from tokenmind.posttrain import SFTConfig, build_sft_trainer, load_sft_config
 from tokenmind.tokenizer import Tokenizer
 from tokenmind.tokenizer.train import train_bpe
+from tokenmind.train import Trainer
+from tokenmind.train.distributed import init_distributed
 
 COLORS = {"apple": "red", "banana": "yellow", "grape": "purple", "lime": "green", "plum": "violet",
           "coconut": "brown", "blueberry": "blue", "lemon": "yellow"}
@@ -75,3 +77,8 @@ def tiny_sft_config(init_from: Path, files: Path, out_dir: Path, *overrides: str
             "--data.val_fraction=0.1", "--optim.lr=3e-3", "--schedule.warmup_steps=2", "--train.steps=8",
             "--train.precision=fp32", "--train.eval_batches=2", f"--train.out_dir={out_dir}"]
     return load_sft_config(None, base + list(overrides))
+
+
+def sft_trainer(cfg: SFTConfig) -> Trainer:
+    """The SFT `Trainer` of `cfg`, in this process."""
+    return build_sft_trainer(cfg, init_distributed(cfg.train.distributed, cfg.train.device))

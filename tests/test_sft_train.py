@@ -14,6 +14,7 @@ from test_sft_helpers import (
     COLORS,
     conversations,
     question,
+    sft_trainer,
     tiny_model_dir,
     tiny_sft_config,
     tiny_tokenizer,
@@ -25,11 +26,12 @@ from tokenmind.chat import ChatSession
 from tokenmind.data.shards import ShardConfig, ShardWriter
 from tokenmind.engine.sampling import SamplingParams
 from tokenmind.model.checkpoint import load_hf_dir
-from tokenmind.posttrain import SFTTrainer, load_sft_config, sft
+from tokenmind.data.loader import IGNORE_INDEX
+from tokenmind.posttrain import load_sft_config, sft
+from tokenmind.posttrain.sft import load_start
 from tokenmind.pretrained import load_pretrained
 from tokenmind.train import pretrain, save_resolved
 from tokenmind.train.metrics import read_jsonl
-from tokenmind.train.trainer import trained_targets
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +73,7 @@ def test_sft_resume_retraces_the_uninterrupted_run(setup: tuple[Path, Path], tmp
     sft(tiny_sft_config(model_dir, chats, tmp_path / "straight", *args))
 
     crashed_cfg = tiny_sft_config(model_dir, chats, tmp_path / "crashed", *args)
-    crash_in_step_5(SFTTrainer(crashed_cfg))
+    crash_in_step_5(sft_trainer(crashed_cfg))
 
     resumed = sft(crashed_cfg)
     assert len(resumed.losses) == 4  # steps 5..8 only
@@ -86,18 +88,16 @@ def test_sft_resume_retraces_the_uninterrupted_run(setup: tuple[Path, Path], tmp
 
 def test_every_assistant_token_weighs_the_same_across_micro_batches(setup: tuple[Path, Path], tmp_path: Path) -> None:
     model_dir, chats = setup
-    whole = SFTTrainer(tiny_sft_config(model_dir, chats, tmp_path / "whole", "--data.batch_size=4"))
-    split = SFTTrainer(tiny_sft_config(model_dir, chats, tmp_path / "split", "--data.batch_size=2",
-                                       "--train.grad_accum=2"))
+    whole = sft_trainer(tiny_sft_config(model_dir, chats, tmp_path / "whole", "--data.batch_size=4"))
+    split = sft_trainer(tiny_sft_config(model_dir, chats, tmp_path / "split", "--data.batch_size=2",
+                                        "--train.grad_accum=2"))
     halves = [split.loader.batch_for_rows(split.loader.rows_for_epoch(0)[i:i + 2]) for i in (0, 2)]
-    assert trained_targets(halves[0]) != trained_targets(halves[1])  # a mean of means would be biased
-    loss_whole, norm_whole, _ = whole.train_step()
-    loss_split, norm_split, _ = split.train_step()
-    assert loss_split == pytest.approx(loss_whole, rel=1e-5) and norm_split == pytest.approx(norm_whole, rel=1e-4)
+    trained = [int((half.targets != IGNORE_INDEX).sum()) for half in halves]
+    assert trained[0] != trained[1]  # a mean of means would be biased
+    a, b = whole.train_step(), split.train_step()
+    assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
     for p, q in zip(whole.model.parameters(), split.model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
-    whole.close()
-    split.close()
 
 
 def test_init_from_a_pretraining_run(setup: tuple[Path, Path], tmp_path: Path) -> None:
@@ -112,12 +112,12 @@ def test_init_from_a_pretraining_run(setup: tuple[Path, Path], tmp_path: Path) -
                                "--model.max_position_embeddings=128", f"--data.tokenizer={tmp_path / 'tokenizer'}",
                                "--train.steps=3"))
 
-    trainer = SFTTrainer(tiny_sft_config(tmp_path / "pre", chats, tmp_path / "sft", "--train.steps=2"))
-    assert trainer.start.path == run.final_model_path  # a run folder stands for its final/ export
+    cfg = tiny_sft_config(tmp_path / "pre", chats, tmp_path / "sft", "--train.steps=2")
+    assert load_start(cfg.sft).path == run.final_model_path  # a run folder stands for its final/ export
+    trainer = sft_trainer(cfg)
     pretrained = load_hf_dir(run.final_model_path).state_dict()
     assert all(torch.equal(v, pretrained[k]) for k, v in trainer.model.state_dict().items())
     result = trainer.train()
-    trainer.close()
     assert result.steps == 2 and all(np.isfinite(result.losses))
     assert load_pretrained(result.final_model_path).model.cfg.vocab_size == tokenizer.vocab_size
 
@@ -125,20 +125,19 @@ def test_init_from_a_pretraining_run(setup: tuple[Path, Path], tmp_path: Path) -
 def test_missing_pieces_fail_before_training(setup: tuple[Path, Path], tmp_path: Path) -> None:
     model_dir, chats = setup
     with pytest.raises(ValueError, match="--sft.init_from=MODEL"):
-        SFTTrainer(tiny_sft_config("''", chats, tmp_path))
+        sft_trainer(tiny_sft_config("''", chats, tmp_path))
     with pytest.raises(ValueError, match="--data.files=PATH"):
-        SFTTrainer(tiny_sft_config(model_dir, chats, tmp_path, "--data.files=[]"))
+        sft_trainer(tiny_sft_config(model_dir, chats, tmp_path, "--data.files=[]"))
     with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings=128; lower --data.seq_len"):
-        SFTTrainer(tiny_sft_config(model_dir, chats, tmp_path, "--data.seq_len=256"))
+        sft_trainer(tiny_sft_config(model_dir, chats, tmp_path, "--data.seq_len=256"))
     bare = tmp_path / "bare"
     bare.mkdir()
     for name in ("config.json", "model.safetensors"):
         (bare / name).write_bytes((model_dir / name).read_bytes())
     with pytest.raises(FileNotFoundError, match="has no tokenizer.json .* --sft.tokenizer=DIR"):
-        SFTTrainer(tiny_sft_config(bare, chats, tmp_path))
-    trainer = SFTTrainer(tiny_sft_config(bare, chats, tmp_path, f"--sft.tokenizer={model_dir}"))
-    assert trainer.start.tokenizer.vocab_size == trainer.model.cfg.vocab_size
-    trainer.close()
+        sft_trainer(tiny_sft_config(bare, chats, tmp_path))
+    trainer = sft_trainer(tiny_sft_config(bare, chats, tmp_path, f"--sft.tokenizer={model_dir}"))
+    assert trainer.tokenizer.vocab_size == trainer.model.cfg.vocab_size
 
 
 def test_sft_config_yaml_overrides_and_round_trip(tmp_path: Path) -> None:

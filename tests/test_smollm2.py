@@ -6,7 +6,7 @@ import transformers
 
 from tokenmind.chat import ChatSession, complete
 from tokenmind.cli import main
-from tokenmind.engine.generate import generate
+from tokenmind.engine.llm import LLM
 from tokenmind.engine.sampling import SamplingParams
 from tokenmind.pretrained import load_pretrained, resolve_model_path, save_pretrained
 
@@ -42,7 +42,7 @@ def test_32_greedy_tokens_identical_to_transformers_generate(ours, hf, prompt):
     with torch.no_grad():
         ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, pad_token_id=0)
     assert ref.shape[1] == len(ids) + 32
-    got = generate(ours.model, ids, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+    got = LLM(ours, max_num_seqs=1).generate(ids, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))[0]
     assert got.token_ids == ref[0, len(ids):].tolist()
 
 

@@ -1,12 +1,15 @@
-"""Speculative decoding: greedy output identical to `generate`, sampled output distributed like the target."""
+"""Speculative decoding inside the engine: greedy output identical to plain decoding, sampled output
+distributed like the target's, for prompt lookup and draft models, batched and under pressure."""
 
 import pytest
 import torch
+from test_engine_llm import naive_greedy, pool_bytes, run
 
-from tokenmind.engine.generate import generate
-from tokenmind.engine.sampling import SamplingParams, filter_logits, make_generator
-from tokenmind.engine.speculative import (Draft, ModelDrafter, NgramDrafter, SpecStats, speculative_generate,
-                                          speculative_stream, truncated_draft, verify_sampled)
+from tokenmind.engine.config import EngineConfig
+from tokenmind.engine.llm import Engine
+from tokenmind.engine.sampler import filter_batch
+from tokenmind.engine.sampling import SamplingParams, make_generator
+from tokenmind.engine.speculative import Draft, NgramIndex, SpeculativeConfig, accept_reject
 from tokenmind.model.config import ModelConfig
 from tokenmind.model.transformer import Transformer
 
@@ -43,9 +46,17 @@ PROMPTS = [[3, 14, 15, 9, 2, 6], [7], [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]]
 GREEDY = SamplingParams(max_tokens=40, temperature=0)
 
 
-def make_drafter(kind, model, other):
-    return {"ngram": lambda: NgramDrafter(), "other": lambda: ModelDrafter(other),
-            "self": lambda: ModelDrafter(model)}[kind]()
+def spec_engine(model, kind, other=None, k=4, adaptive=True, **config):
+    method = "ngram" if kind == "ngram" else "draft"
+    draft = {"ngram": None, "other": other, "self": model}[kind]
+    spec = SpeculativeConfig(method, num_speculative_tokens=k, adaptive=adaptive)
+    return Engine(model, config=EngineConfig(**{"block_size": 4, "speculative": spec, **config}), draft_model=draft)
+
+
+def generate(engine, prompts, params):
+    ids = [engine.add_request(p, params) for p in prompts]
+    finals, _ = run(engine)
+    return [finals[i] for i in ids]
 
 
 # ----------------------------------------------------------------------------- greedy
@@ -54,154 +65,82 @@ def make_drafter(kind, model, other):
 @pytest.mark.parametrize("adaptive", [False, True])
 @pytest.mark.parametrize("kind", ["ngram", "other", "self"])
 @pytest.mark.parametrize("k", [1, 3, 5])
-def test_greedy_matches_generate(model, other, kind, k, adaptive):
-    drafter = make_drafter(kind, model, other)  # reused across prompts: it must resync to each
-    for prompt in PROMPTS:
-        ref = generate(model, prompt, GREEDY)
-        out, stats = speculative_generate(model, prompt, GREEDY, drafter, k=k, adaptive=adaptive)
-        assert out.token_ids == ref.token_ids
-        assert out.finish_reason == ref.finish_reason == "length"
-        assert stats.emitted == len(ref.token_ids)
-        assert stats.rounds <= len(ref.token_ids)
-        if kind == "self":
-            assert stats.acceptance_rate == 1.0
-            assert stats.rounds == -(-len(ref.token_ids) // (k + 1))  # every round yields k + 1 tokens
+def test_greedy_batch_equals_plain_decoding(model, other, kind, k, adaptive):
+    engine = spec_engine(model, kind, other, k, adaptive)
+    outs = generate(engine, PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == [naive_greedy(model, p, 40) for p in PROMPTS]
+    stats = engine.stats()
+    assert stats.num_drafted_tokens > 0
+    if kind == "self":  # the draft is the target: every draft is kept, so far fewer steps
+        assert stats.num_accepted_tokens == stats.num_drafted_tokens and stats.num_steps < 40
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_drafters_are_exercised(model, other):
-    """The equality above must cover both kept and rejected drafts."""
-    for drafter in (NgramDrafter(), ModelDrafter(other)):
-        total = SpecStats()
-        for prompt in PROMPTS:
-            _, s = speculative_generate(model, prompt, GREEDY, drafter, k=3)
-            total.drafted += s.drafted
-            total.accepted += s.accepted
-        assert 0 < total.accepted < total.drafted
+@pytest.mark.parametrize("kind", ["ngram", "other"])
+def test_greedy_equal_under_preemption_and_chunked_prefill(model, other, kind):
+    prompts = PROMPTS + [list(range(30)), [9] * 12]
+    engine = spec_engine(model, kind, other, k=5, kv_cache_bytes=pool_bytes(model, 24), max_num_batched_tokens=8,
+                         max_num_seqs=5)
+    outs = generate(engine, prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [naive_greedy(model, p, 40) for p in prompts]
+    assert engine.stats().num_preemptions > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
 @pytest.mark.parametrize("kind", ["ngram", "self"])
 def test_stops_inside_an_accepted_run(model, other, kind):
-    prompt = PROMPTS[2]
-    ref = generate(model, prompt, SamplingParams(max_tokens=40, temperature=0)).token_ids
-    for pos in (3, 7, 10):
-        eos = ref[pos]
-        first = ref.index(eos)
-        out, stats = speculative_generate(model, prompt, GREEDY, make_drafter(kind, model, other), k=5,
-                                          eos_token_ids=[eos])
-        assert out.token_ids == ref[:first] and out.finish_reason == "stop"
-        assert stats.emitted == first
-        via_stop_ids = SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[eos])
-        out2, _ = speculative_generate(model, prompt, via_stop_ids, make_drafter(kind, model, other), k=5)
-        assert out2.token_ids == ref[:first]
-    ignored = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    out, _ = speculative_generate(model, prompt, ignored, make_drafter(kind, model, other), k=5, eos_token_ids=[ref[3]])
-    assert out.token_ids == ref
-    for n in (1, 2, 5, 6, 7, 13):
-        p = SamplingParams(max_tokens=n, temperature=0)
-        out, _ = speculative_generate(model, prompt, p, make_drafter(kind, model, other), k=5)
-        assert out.token_ids == ref[:n] and out.finish_reason == "length"
+    """EOS, a stop token, a stop string and max_tokens cut a run of kept drafts where plain decoding stops."""
+    ref = naive_greedy(model, PROMPTS[2], 40)
+    eos = ref[3]
+    engine = spec_engine(model, kind, other, k=5)
+    engine.eos_token_ids = {eos}
+    outs = generate(engine, [PROMPTS[2]], GREEDY) + \
+        generate(engine, [PROMPTS[2]], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
+                                                      stop_token_ids=[ref[6]])) + \
+        generate(engine, [PROMPTS[2]], SamplingParams(max_tokens=7, temperature=0, ignore_eos=True))
+    assert outs[0].token_ids == ref[:3] and outs[0].finish_reason == "stop"
+    assert outs[1].token_ids == ref[:ref.index(ref[6])] and outs[1].finish_reason == "stop"
+    assert outs[2].token_ids == ref[:7] and outs[2].finish_reason == "length"
 
 
-def test_self_draft_run_is_cut_at_eos(model):
-    """With the target as its own drafter every round keeps all k drafts; EOS inside them ends the output."""
-    prompt = PROMPTS[0]
-    ref = generate(model, prompt, GREEDY).token_ids
-    first = ref.index(ref[2])  # lands inside the first round's k + 1 = 6 tokens
-    seen = list(speculative_stream(model, prompt, GREEDY, ModelDrafter(model), k=5, eos_token_ids=[ref[2]]))
-    assert seen == ref[:first]
+def test_logprobs_are_the_same_with_speculation(model, other):
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=3)
+    plain = generate(Engine(model, config=EngineConfig(block_size=4)), [PROMPTS[2]], params)[0]
+    spec = generate(spec_engine(model, "self", k=4), [PROMPTS[2]], params)[0]
+    assert spec.token_ids == plain.token_ids
+    for a, b in zip(spec.logprobs, plain.logprobs):
+        assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
-def test_stream_and_context_window(model, other):
-    prompt = [i % 50 for i in range(1, 90)]  # 89 of 96 positions: only 7 tokens fit
-    ref = generate(model, prompt, SamplingParams(max_tokens=100, temperature=0))
-    out, _ = speculative_generate(model, prompt, SamplingParams(max_tokens=100, temperature=0),
-                                  ModelDrafter(other), k=5)
-    assert out.token_ids == ref.token_ids and len(out.token_ids) == 7
-    assert list(speculative_stream(model, [1, 2, 3], GREEDY, NgramDrafter(), k=4)) == \
-        generate(model, [1, 2, 3], GREEDY).token_ids
+def test_penalised_requests_decode_plainly(model):
+    engine = spec_engine(model, "self", k=4)
+    params = SamplingParams(max_tokens=10, temperature=0, repetition_penalty=1.3)
+    out = generate(engine, [PROMPTS[0]], params)[0]
+    assert engine.stats().num_drafted_tokens == 0
+    assert out.token_ids == generate(Engine(model, config=EngineConfig(block_size=4)), [PROMPTS[0]], params)[0].token_ids
 
 
-def test_errors(model):
-    with pytest.raises(ValueError, match="k .* must be >= 1"):
-        speculative_generate(model, [1], GREEDY, NgramDrafter(), k=0)
-    with pytest.raises(ValueError, match="prompt is empty"):
-        speculative_generate(model, [], GREEDY, NgramDrafter())
-    with pytest.raises(ValueError, match="vocab_size is 60"):
-        speculative_generate(model, [1], GREEDY, ModelDrafter(tiny(2, vocab=60)))
-    with pytest.raises(ValueError, match="min_ngram"):
-        NgramDrafter(max_ngram=1, min_ngram=2)
-
-
-# ----------------------------------------------------------------------------- drafters and caches
+def test_errors_name_the_fix(model):
+    with pytest.raises(ValueError, match="needs a draft model"):
+        Engine(model, config=EngineConfig(speculative=SpeculativeConfig("draft")))
+    with pytest.raises(ValueError, match="vocab_size"):
+        Engine(model, config=EngineConfig(speculative=SpeculativeConfig("draft")), draft_model=tiny(2, vocab=60))
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SpeculativeConfig(num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="'ngram'"):
+        SpeculativeConfig("medusa")
 
 
 def test_ngram_lookup():
-    d = NgramDrafter(max_ngram=3, min_ngram=1)
-    assert d.propose([1, 2, 3, 4, 9, 9, 2, 3], 3).tokens == [4, 9, 9]  # "2 3" was followed by "4 9 9"
-    assert d.propose([1, 2, 3, 1, 2, 5, 1, 2], 2).tokens == [5, 1]  # the latest earlier "1 2", not the first
-    assert d.propose([7, 8, 7, 8], 5).tokens == [7, 8, 7, 8, 7]  # a recent match repeats with its period
-    assert d.propose([4, 4, 4], 3).tokens == [4, 4, 4]
-    assert d.propose([1, 2, 3], 3).tokens == []  # nothing to copy
-    assert d.propose([5], 3).tokens == []
-    assert d.propose([1, 2, 3, 1], 0).tokens == []
-    # Incremental index == a fresh index, token by token.
-    seq = [int(x) for x in torch.randint(0, 6, (60,), generator=torch.Generator().manual_seed(0))]
-    inc = NgramDrafter(max_ngram=4, min_ngram=2)
-    for i in range(2, len(seq)):
-        assert inc.propose(seq[:i], 4).tokens == NgramDrafter(max_ngram=4, min_ngram=2).propose(seq[:i], 4).tokens
-
-
-def test_target_cache_rollback(model):
-    """Setting `length` back discards later slots: continuing equals a fresh forward over the kept tokens."""
-    ids = [3, 14, 15, 9, 2, 6]
-    with torch.no_grad():
-        cache = model.new_kv_cache(1, 32)
-        model(torch.tensor([ids]), kv_cache=cache)
-        model(torch.tensor([[11, 12, 13, 14]]), kv_cache=cache)  # four drafts
-        cache.length = len(ids) + 1  # keep the first
-        cont = model(torch.tensor([[20, 21]]), kv_cache=cache)[0]
-        fresh = model(torch.tensor([ids + [11, 20, 21]]))[0, -2:]
-    assert cache.length == len(ids) + 3
-    torch.testing.assert_close(cont, fresh, atol=1e-5, rtol=1e-5)
-
-
-def test_model_drafter_resyncs_after_rejection(model, other):
-    d = ModelDrafter(other)
-    a = d.propose([1, 2, 3, 4], 5)
-    assert len(d.ids) == 4 + 5 - 1  # the last draft is not fed yet
-    # Keep two drafts and add a different token: the cache rolls back to the shared prefix.
-    ctx = [1, 2, 3, 4, *a.tokens[:2], (a.tokens[2] + 1) % 50]
-    assert d.propose(ctx, 4).tokens == ModelDrafter(other).propose(ctx, 4).tokens
-    assert d.ids[:len(ctx)] == ctx
-    # A new, unrelated context, and one long enough to grow the cache.
-    long = [int(x) for x in torch.randint(0, 50, (90,), generator=torch.Generator().manual_seed(1))]
-    assert d.propose(long, 3).tokens == ModelDrafter(other).propose(long, 3).tokens
-    assert d.propose(long + [1], 10).tokens == ModelDrafter(other).propose(long + [1], 10).tokens  # clipped at 96
-
-
-def test_truncated_draft_shares_weights(model):
-    draft = truncated_draft(model, 1)
-    assert draft.cfg.num_hidden_layers == 1 and draft.layers[0] is model.layers[0]
-    assert draft.lm_head.weight.data_ptr() == model.lm_head.weight.data_ptr()
-    out, stats = speculative_generate(model, PROMPTS[0], GREEDY, ModelDrafter(draft), k=3)
-    assert out.token_ids == generate(model, PROMPTS[0], GREEDY).token_ids
-    assert stats.drafted > 0
+    index = NgramIndex(1, 3)
+    assert index.lookup([1, 2, 3, 4, 1, 2], 3) == [3, 4, 1]  # the 2-gram (1, 2) was followed by 3, 4, 1
+    assert index.lookup([1, 2, 3, 4, 1, 2, 3], 2) == [4, 1]  # extended incrementally
+    assert NgramIndex(1, 3).lookup([5, 6, 5, 6], 5) == [5, 6, 5, 6, 5]  # a recent match repeats its period
+    assert NgramIndex(1, 3).lookup([1, 2, 3], 4) == []
 
 
 # ----------------------------------------------------------------------------- sampling
-
-
-class FixedQDrafter:
-    """Draws k tokens i.i.d. from a fixed, context-free q (or proposes fixed tokens with q = point mass)."""
-
-    def __init__(self, q=None, tokens=None):
-        self.q, self.tokens = q, tokens
-
-    def propose(self, context_ids, k, params=None, generator=None):
-        if self.tokens is not None:
-            return Draft(list(self.tokens[:k]))
-        toks = torch.multinomial(self.q, k, replacement=True, generator=generator)
-        return Draft(toks.tolist(), self.q.expand(k, -1))
 
 
 V = 8
@@ -216,13 +155,13 @@ def small():
 def target_joint(model, prompt, params):
     """Exact P(t1, t2) of plain sampling: (V, V)."""
     with torch.no_grad():
-        p1 = filter_logits(model(torch.tensor([prompt]))[:, -1], params).softmax(-1)[0]
+        p1 = filter_batch(model(torch.tensor([prompt]))[:, -1], [params]).softmax(-1)[0]
         ctx = torch.tensor([prompt + [t] for t in range(V)])
-        p2 = filter_logits(model(ctx)[:, -1], params).softmax(-1)
+        p2 = filter_batch(model(ctx)[:, -1], [params] * V).softmax(-1)
     return p1[:, None] * p2
 
 
-def bad_q(model, prompt, params):
+def bad_q(model, prompt):
     """Mass mostly on what the target likes least, including tokens its top-k filter removes."""
     with torch.no_grad():
         logits = model(torch.tensor([prompt]))[0, -1]
@@ -234,8 +173,8 @@ def test_accept_reject_rule_first_token_distribution(small):
     prompt = [1, 2, 3]
     with torch.no_grad():
         logits = small(torch.tensor([prompt + [5, 0]]))[0, -3:]  # positions after the prompt, 5, 0
-    p = filter_logits(logits, SAMPLED).softmax(-1)
-    q = bad_q(small, prompt, SAMPLED)
+    p = filter_batch(logits, [SAMPLED] * 3).softmax(-1)
+    q = bad_q(small, prompt)
     g = make_generator(0)
     trials = 10000
     for draft_fn in (lambda: Draft(torch.multinomial(q, 2, replacement=True, generator=g).tolist(), q.expand(2, -1)),
@@ -243,31 +182,51 @@ def test_accept_reject_rule_first_token_distribution(small):
         counts = torch.zeros(V)
         for _ in range(trials):
             draft = draft_fn()
-            m, nxt = verify_sampled(p, draft, g)
+            m, nxt = accept_reject(p, draft, g)
             counts[draft.tokens[0] if m > 0 else nxt] += 1
         assert (counts / trials - p[0]).abs().max() < 0.015
 
 
+class FixedQProposer:
+    """Draws drafts i.i.d. from a fixed, context-free q (or proposes fixed tokens, q = point mass)."""
+
+    def __init__(self, q=None, tokens=None):
+        self.q, self.tokens = q, tokens
+
+    def propose(self, seqs, ks):
+        if self.tokens is not None:
+            return [Draft(list(self.tokens[:k])) for k in ks]
+        drafts = []
+        for seq, k in zip(seqs, ks):
+            toks = torch.multinomial(self.q, k, replacement=True, generator=seq.generator)
+            drafts.append(Draft(toks.tolist(), self.q.expand(k, -1)))
+        return drafts
+
+    def verified(self, seq, num_tokens_before, drafted, accepted):
+        pass
+
+
 @pytest.mark.parametrize("kind", ["bad_q", "point_mass", "model"])
 def test_sampled_output_follows_target_distribution(small, kind):
-    """End to end: the first two sampled tokens ~ the target's exact joint, for a deliberately bad draft."""
+    """End to end through the engine: the first two sampled tokens ~ the target's exact joint, for a
+    deliberately bad proposer; 1200 requests with different seeds run as one batch."""
     prompt = [1, 2, 3]
     joint = target_joint(small, prompt, SAMPLED)
     d1 = int(joint.sum(1).argsort()[-2])  # point masses on likely-but-not-top tokens: kept and rejected
     d2 = int(joint[d1].argsort()[-2])
-    drafter = {"bad_q": lambda: FixedQDrafter(q=bad_q(small, prompt, SAMPLED)),
-               "point_mass": lambda: FixedQDrafter(tokens=[d1, d2, 0]),
-               "model": lambda: ModelDrafter(tiny(4, vocab=V, std=0.3, layers=1))}[kind]()
+    engine = spec_engine(small, "self" if kind == "model" else "ngram", k=3, adaptive=False, max_num_seqs=256,
+                         max_num_batched_tokens=1024)
+    if kind == "model":
+        engine = Engine(small, config=engine.config, draft_model=tiny(4, vocab=V, std=0.3, layers=1))
+    else:
+        engine.proposer = FixedQProposer(q=bad_q(small, prompt)) if kind == "bad_q" else FixedQProposer(
+            tokens=[d1, d2, 0])
     runs = 1200
+    # Three tokens, so the first round drafts two: the second token exercises the rule after a keep.
+    outs = generate(engine, [prompt] * runs, SamplingParams(max_tokens=3, temperature=0.9, top_k=6, ignore_eos=True))
     counts = torch.zeros(V, V)
-    total = SpecStats()
-    for seed in range(runs):
-        # Three tokens, so the first round drafts two: the second token exercises the rule after a keep.
-        params = SamplingParams(max_tokens=3, temperature=0.9, top_k=6, seed=seed)
-        out, s = speculative_generate(small, prompt, params, drafter, k=3)
+    for out in outs:
         counts[out.token_ids[0], out.token_ids[1]] += 1
-        total.drafted += s.drafted
-        total.accepted += s.accepted
     emp = counts / runs
     support = joint > 0  # 6 × 6 cells under top-k=6
     expected = joint[support] * runs
@@ -275,14 +234,15 @@ def test_sampled_output_follows_target_distribution(small, kind):
     assert chi2 < 67.0, chi2  # 35 degrees of freedom: p ≈ 0.001
     assert (emp - joint).abs().max() < 0.04
     assert emp[joint == 0].sum() == 0  # never a token the top-k filter removed
-    assert 0 < total.accepted < total.drafted
+    stats = engine.stats()
+    assert 0 < stats.num_accepted_tokens < stats.num_drafted_tokens
 
 
-def test_sampled_is_reproducible_and_self_draft_keeps_all(small):
-    params = SamplingParams(max_tokens=30, temperature=1.0, seed=5)
-    a, _ = speculative_generate(small, [1, 2], params, NgramDrafter(), k=4)
-    b, _ = speculative_generate(small, [1, 2], params, NgramDrafter(), k=4)
+def test_sampled_is_reproducible_and_a_self_draft_keeps_all(small):
+    params = SamplingParams(max_tokens=30, temperature=1.0, seed=5, ignore_eos=True)
+    a = generate(spec_engine(small, "ngram", k=4), [[1, 2]], params)[0]
+    b = generate(spec_engine(small, "ngram", k=4), [[1, 2]], params)[0]
     assert a.token_ids == b.token_ids and len(a.token_ids) == 30
-    # q == p up to float noise → (almost) every draft is kept.
-    _, s = speculative_generate(small, [1, 2], params, ModelDrafter(small), k=4)
-    assert s.acceptance_rate > 0.95
+    engine = spec_engine(small, "self", k=4)  # q == p up to float noise: (almost) every draft is kept
+    generate(engine, [[1, 2]], params)
+    assert engine.stats().acceptance_rate > 0.95

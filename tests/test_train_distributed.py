@@ -7,6 +7,7 @@ single-process references run in the test process.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from pathlib import Path
@@ -15,9 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_train_helpers import one_thread, tiny_config, write_shards  # noqa: F401 (one_thread: autouse)
+from test_train_helpers import one_thread, pretrainer, tiny_config, write_shards  # noqa: F401 (one_thread: autouse)
 
-from tokenmind.train import Trainer, pretrain
+from tokenmind.train import pretrain
 from tokenmind.train.metrics import read_jsonl
 
 STEPS = ["--train.steps=4", "--train.checkpoint_every=2"]
@@ -47,17 +48,15 @@ def run_scenarios(rank: int, world_size: int, port: int, shards: Path, root: Pat
         pretrain(tiny_config(shards, root / "fsdp_muon", "--train.distributed=fsdp", *half, *MUON))
 
         crashed = tiny_config(shards, root / "fsdp_resumed", "--train.distributed=fsdp", *half)
-        trainer = Trainer(crashed)
+        trainer = pretrainer(crashed)  # joins the group
 
         def crash_in_step_4(module, inputs, output):
             if trainer.step == 3:
                 raise Preempted
 
         trainer.model.norm.register_forward_hook(crash_in_step_4)
-        try:
+        with contextlib.suppress(Preempted):
             trainer.train()
-        except Preempted:
-            trainer.close()
         pretrain(crashed)
     finally:
         dist.destroy_process_group()

@@ -1,4 +1,4 @@
-"""Shared pieces of the tests/test_train_*.py files: tiny learnable shards and a tiny run config.
+"""Shared pieces of the tests/test_train_*.py files: tiny learnable shards, a tiny run config and its trainer.
 
 The corpus is arithmetic progressions (start s, stride 1–3, modulo the vocabulary): the next
 token follows from the previous two, so a 2-layer model's loss falls within a few dozen steps.
@@ -16,6 +16,8 @@ import torch
 from tokenmind.data.shards import ShardConfig, ShardWriter
 from tokenmind.train.checkpoint import latest_checkpoint
 from tokenmind.train.config import RunConfig, load_config
+from tokenmind.train.distributed import init_distributed
+from tokenmind.train.trainer import Trainer, build_pretrainer
 
 VOCAB = 300
 EOS = 0
@@ -45,6 +47,11 @@ def tiny_config(shards: Path, out_dir: Path, *overrides: str) -> RunConfig:
     return load_config(None, base + list(overrides))
 
 
+def pretrainer(cfg: RunConfig) -> Trainer:
+    """The pre-training `Trainer` of `cfg`, in this process (or the process group it already joined)."""
+    return build_pretrainer(cfg, init_distributed(cfg.train.distributed, cfg.train.device))
+
+
 @pytest.fixture(autouse=True)
 def one_thread() -> Iterator[None]:
     """Tiny models run on one intra-op thread: on a shared 2-core machine, two OpenMP threads
@@ -70,5 +77,4 @@ def crash_in_step_5(trainer) -> None:
     trainer.model.norm.register_forward_hook(hook)
     with pytest.raises(Preempted):
         trainer.train()
-    trainer.close()
     assert latest_checkpoint(trainer.checkpoint_root).name == "step_000004"

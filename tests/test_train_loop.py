@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_train_helpers import VOCAB, one_thread, tiny_config, write_shards  # noqa: F401 (one_thread: autouse)
+from test_train_helpers import VOCAB, one_thread, pretrainer, tiny_config, write_shards  # noqa: F401 (one_thread: autouse)
 
 from tokenmind.model.checkpoint import load_hf_dir
 from tokenmind.model.config import ModelConfig
-from tokenmind.train import Trainer, TrainingDiverged, load_config, pretrain, save_resolved
+from tokenmind.train import NextTokenObjective, TrainingDiverged, load_config, pretrain, save_resolved
 from tokenmind.train.checkpoint import latest_checkpoint
 from tokenmind.train.metrics import flops_per_token, read_jsonl
-from tokenmind.train.trainer import next_token_loss, token_loss
+from tokenmind.train.objectives import token_loss
 
 
 @pytest.fixture(scope="module")
@@ -49,30 +49,29 @@ def test_pretrain_learns_and_writes_every_output(shards: Path, tmp_path: Path) -
 
 
 def test_bf16_autocast_keeps_fp32_master_weights(shards: Path, tmp_path: Path) -> None:
-    trainer = Trainer(tiny_config(shards, tmp_path, "--train.precision=bf16"))
+    trainer = pretrainer(tiny_config(shards, tmp_path, "--train.precision=bf16"))
     head_dtypes = []
     trainer.model.lm_head.register_forward_hook(lambda m, i, out: head_dtypes.append(out.dtype))
-    loss, grad_norm, _ = trainer.train_step()
+    stats = trainer.train_step()
     assert head_dtypes == [torch.bfloat16]  # the matmuls ran in bf16
-    assert math.isfinite(loss) and math.isfinite(grad_norm)
+    assert math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
     state = trainer.optimizer.state_dict()["state"]
     assert all(s["exp_avg"].dtype == torch.float32 for s in state.values())
-    trainer.close()
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(shards: Path, tmp_path: Path) -> None:
-    trainer = Trainer(tiny_config(shards, tmp_path))
+    trainer = pretrainer(tiny_config(shards, tmp_path))
     batch = next(trainer.loader)
     grads = []
     for checkpointing in (False, True):
         trainer.model.gradient_checkpointing = checkpointing
         trainer.model.zero_grad()
-        next_token_loss(trainer.model, batch, torch.device("cpu"), "fp32").backward()
+        terms = NextTokenObjective()(trainer.model, batch, "fp32")
+        (terms.loss / terms.count).backward()
         grads.append({n: p.grad.clone() for n, p in trainer.model.named_parameters()})
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-5)
-    trainer.close()
 
 
 def test_compiled_loss_follows_the_eager_loss_curve(shards: Path, tmp_path: Path) -> None:
@@ -81,16 +80,17 @@ def test_compiled_loss_follows_the_eager_loss_curve(shards: Path, tmp_path: Path
     curves = []
     for compile in (False, True):
         torch.manual_seed(0)
-        trainer = Trainer(tiny_config(shards, tmp_path / str(compile), "--train.steps=3", f"--train.compile={compile}"))
-        assert (trainer.loss_fn is not token_loss) == compile
-        curves.append([trainer.train_step()[0] for _ in range(3)])
-        trainer.close()
+        trainer = pretrainer(tiny_config(shards, tmp_path / str(compile), "--train.steps=3",
+                                         f"--train.compile={compile}"))
+        assert (trainer.train_objective.loss_fn is not token_loss) == compile
+        assert trainer.objective.loss_fn is token_loss  # validation stays eager
+        curves.append([trainer.train_step()["loss"] for _ in range(3)])
     assert curves[0][-1] < curves[0][0]
     assert curves[1] == pytest.approx(curves[0], rel=1e-4, abs=1e-4)
 
 
 def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(shards: Path, tmp_path: Path) -> None:
-    trainer = Trainer(tiny_config(shards, tmp_path, "--train.checkpoint_every=2", "--train.keep_last=1"))
+    trainer = pretrainer(tiny_config(shards, tmp_path, "--train.checkpoint_every=2", "--train.keep_last=1"))
 
     def poison_after_step_3(module, inputs, output):
         return output * float("nan") if trainer.step >= 3 else None
@@ -98,7 +98,6 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(shards: Path,
     trainer.model.norm.register_forward_hook(poison_after_step_3)
     with pytest.raises(TrainingDiverged, match=r"loss is nan .* at step 4.*step_000002"):
         trainer.train()
-    trainer.close()
     last = latest_checkpoint(tmp_path / "checkpoints")
     assert last is not None and last.name == "step_000002"
     assert all(torch.isfinite(t).all() for t in load_file(last / "model.safetensors").values())
@@ -107,12 +106,12 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(shards: Path,
 
 def test_data_problems_fail_before_training(shards: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=f"--model.vocab_size={VOCAB}"):
-        Trainer(tiny_config(shards, tmp_path, "--model.vocab_size=100"))
+        pretrainer(tiny_config(shards, tmp_path, "--model.vocab_size=100"))
     with pytest.raises(ValueError, match="--data.shards=DIR"):
-        Trainer(tiny_config(shards, tmp_path, "--data.shards=''"))
+        pretrainer(tiny_config(shards, tmp_path, "--data.shards=''"))
     tiny_val = write_shards(tmp_path / "tiny_val", num_docs=40, val_tokens=40)  # 1 row of 32, batch is 4
     with pytest.raises(ValueError, match="val split: .* hold out more tokens for val"):
-        Trainer(tiny_config(tiny_val, tmp_path / "run"))  # before any training step, not after
+        pretrainer(tiny_config(tiny_val, tmp_path / "run"))  # before any training step, not after
 
 
 def test_config_yaml_overrides_and_round_trip(tmp_path: Path) -> None:

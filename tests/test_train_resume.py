@@ -12,11 +12,12 @@ from safetensors.torch import load_file
 from test_train_helpers import (  # noqa: F401 (one_thread: autouse fixture)
     crash_in_step_5,
     one_thread,
+    pretrainer,
     tiny_config,
     write_shards,
 )
 
-from tokenmind.train import Trainer, pretrain
+from tokenmind.train import pretrain
 from tokenmind.train.checkpoint import (
     TrainingState,
     capture_rng,
@@ -45,7 +46,7 @@ def test_resume_retraces_the_uninterrupted_loss_curve(shards: Path, tmp_path: Pa
     straight = pretrain(tiny_config(shards, tmp_path / "straight", *args))
 
     crashed_cfg = tiny_config(shards, tmp_path / "crashed", *args)
-    crash_in_step_5(Trainer(crashed_cfg))
+    crash_in_step_5(pretrainer(crashed_cfg))
     assert [r["step"] for r in train_records(tmp_path / "crashed")] == [1, 2, 3, 4, 5]
 
     resumed = pretrain(crashed_cfg)
@@ -70,7 +71,7 @@ def test_keep_last_prunes_old_checkpoints(shards: Path, tmp_path: Path) -> None:
 def test_existing_run_is_not_overwritten_without_resume(shards: Path, tmp_path: Path) -> None:
     pretrain(tiny_config(shards, tmp_path, "--train.steps=2"))
     with pytest.raises(FileExistsError, match="train.resume=true"):
-        Trainer(tiny_config(shards, tmp_path, "--train.steps=4", "--train.resume=false"))
+        pretrainer(tiny_config(shards, tmp_path, "--train.steps=4", "--train.resume=false"))
 
 
 def test_interrupted_save_leaves_no_final_checkpoint(tmp_path: Path) -> None:

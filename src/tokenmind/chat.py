@@ -1,74 +1,58 @@
-"""Text in, streamed text out: plain completion and a multi-turn chat session over a loaded model.
+"""Text in, streamed text out: plain completion and a multi-turn chat session, over the engine.
 
-The CLI's `generate` and `chat` are thin shells over `complete` and `ChatSession`.
+The CLI's `generate` and `chat` are thin shells over these. Both run through `LLM` (the paged
+engine, one request at a time), so speculative decoding, quantized weights and prefix caching
+(a chat's earlier turns are not recomputed) work here as they do in the server.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from .engine.generate import Generated, stream_tokens
+from .engine.llm import LLM
 from .engine.sampling import SamplingParams
-from .engine.speculative import Drafter, ModelDrafter, NgramDrafter, SpecStats, speculative_stream
+from .engine.speculative import SpeculativeConfig
 from .pretrained import Pretrained, load_pretrained
 
-MAX_DRAFT_TOKENS = 8  # the ceiling of the adaptive draft length (bench_speculative: best on 2 cores)
+
+def interactive_llm(model: Pretrained, speculative: str | None = None) -> LLM:
+    """An engine for one conversation at a time. `speculative`: None, "ngram" (prompt lookup, no
+    second model) or a draft model reference (path or alias) whose tokenizer is the target's."""
+    if speculative is None:
+        return LLM(model, max_num_seqs=1)
+    if speculative == "ngram":
+        return LLM(model, max_num_seqs=1, speculative=SpeculativeConfig("ngram"))
+    dtype = model.model.embed_tokens.weight.dtype
+    draft = load_pretrained(speculative, dtype=dtype)
+    return LLM(model, draft_model=draft, max_num_seqs=1, speculative=SpeculativeConfig("draft"))
 
 
-def make_drafter(spec: str, target: Pretrained) -> Drafter:
-    """`--speculative` value → drafter: "ngram" (prompt lookup, no second model) or a draft model
-    reference (path or alias) whose tokenizer must be the target's."""
-    if spec == "ngram":
-        return NgramDrafter()
-    draft = load_pretrained(spec)
-    if draft.model.cfg.vocab_size != target.model.cfg.vocab_size:
-        raise ValueError(f"draft model {spec!r} has a vocabulary of {draft.model.cfg.vocab_size} tokens but the "
-                         f"target has {target.model.cfg.vocab_size}; a draft model must share the target's tokenizer")
-    return ModelDrafter(draft.model)
-
-
-def stream_text(pretrained: Pretrained, prompt_ids: list[int], params: SamplingParams,
-                result: Generated | None = None, drafter: Drafter | None = None,
-                stats: SpecStats | None = None) -> Iterator[str]:
-    """Generate from token ids, yielding text pieces that never split a multi-byte character.
-
-    With a `drafter`, tokens come from speculative decoding (same greedy output, same sampling
-    distribution; `stats` collects its acceptance numbers)."""
-    tok = pretrained.tokenizer
-    decoder = tok.stream_decoder(skip_special_tokens=True)
-    if drafter is None:
-        tokens = stream_tokens(pretrained.model, prompt_ids, params, tok.eos_token_ids, result)
-    else:
-        tokens = speculative_stream(pretrained.model, prompt_ids, params, drafter, MAX_DRAFT_TOKENS,
-                                    tok.eos_token_ids, result, stats, adaptive=True)
-    for token in tokens:
-        piece = decoder.push(token)
-        if piece:
-            yield piece
-    tail = decoder.flush()
-    if tail:
-        yield tail
-
-
-def complete(pretrained: Pretrained, prompt: str, params: SamplingParams, result: Generated | None = None,
-             drafter: Drafter | None = None, stats: SpecStats | None = None) -> Iterator[str]:
-    """Continue `prompt` as plain text (no chat template)."""
-    ids = pretrained.tokenizer.encode(prompt, add_special_tokens=True)
+def prompt_ids(model: Pretrained, prompt: str) -> list[int]:
+    """A plain-text prompt's token ids (with the model's BOS); an empty prompt is just the BOS."""
+    ids = model.tokenizer.encode(prompt, add_special_tokens=True)
     if not ids:
-        bos = pretrained.tokenizer.bos_token_id
+        bos = model.tokenizer.bos_token_id
         if bos is None:
             raise ValueError("the prompt is empty and the tokenizer has no BOS token to start from; give a prompt")
         ids = [bos]
-    return stream_text(pretrained, ids, params, result, drafter, stats)
+    return ids
+
+
+def complete(model: Pretrained | LLM, prompt: str, params: SamplingParams) -> Iterator[str]:
+    """Continue `prompt` as plain text (no chat template), streamed in pieces that never split a character."""
+    llm = model if isinstance(model, LLM) else interactive_llm(model)
+    for out in llm.stream(prompt_ids(llm.pretrained, prompt), params):
+        if out.new_text:
+            yield out.new_text
 
 
 class ChatSession:
     """A conversation: keeps the messages, renders them with the model's chat template each turn."""
 
-    def __init__(self, pretrained: Pretrained, params: SamplingParams, system: str | None = None,
-                 drafter: Drafter | None = None):
-        pretrained.tokenizer.get_chat_template()  # fail now, with the fix named, if there is no template
-        self.pretrained, self.params, self.system, self.drafter = pretrained, params, system, drafter
+    def __init__(self, model: Pretrained | LLM, params: SamplingParams, system: str | None = None):
+        self.llm = model if isinstance(model, LLM) else interactive_llm(model)
+        self.llm.tokenizer.get_chat_template()  # fail now, with the fix named, if there is no template
+        self.params, self.system = params, system
         self.messages: list[dict[str, str]] = []
 
     def reset(self) -> None:
@@ -76,7 +60,7 @@ class ChatSession:
 
     def _prompt_ids(self) -> list[int]:
         """Render the conversation, dropping the oldest turns while it does not fit the context."""
-        tok, context = self.pretrained.tokenizer, self.pretrained.model.cfg.max_position_embeddings
+        tok, context = self.llm.tokenizer, self.llm.engine.max_model_len
         while True:
             system = [{"role": "system", "content": self.system}] if self.system else []
             ids = tok.apply_chat_template(system + self.messages, add_generation_prompt=True)
@@ -89,8 +73,10 @@ class ChatSession:
         self.messages.append({"role": "user", "content": user_text})
         pieces: list[str] = []
         try:
-            for piece in stream_text(self.pretrained, self._prompt_ids(), self.params, drafter=self.drafter):
-                pieces.append(piece)
-                yield piece
+            for out in self.llm.stream(self._prompt_ids(), self.params):
+                if out.new_text:
+                    pieces.append(out.new_text)
+                    yield out.new_text
         finally:  # also when the caller stops early (Ctrl-C): keep what was said
             self.messages.append({"role": "assistant", "content": "".join(pieces)})
+

@@ -37,12 +37,6 @@ def _add_speculative_args(p: argparse.ArgumentParser) -> None:
                         "Greedy output is unchanged; sampling keeps the same distribution")
 
 
-def _drafter(args, pretrained):
-    from .chat import make_drafter
-
-    return make_drafter(args.speculative, pretrained) if args.speculative else None
-
-
 def _sampling_params(args):
     from .engine.sampling import SamplingParams
 
@@ -63,32 +57,30 @@ def _load(args):
 
 
 def cmd_generate(args) -> None:
-    from .chat import complete
-    from .engine.generate import Generated
-    from .engine.speculative import SpecStats
+    from .chat import interactive_llm, prompt_ids
 
     pretrained = _load(args)
-    params = _sampling_params(args)
-    drafter = _drafter(args, pretrained)
-    result, stats = Generated([], "length"), SpecStats()
+    llm = interactive_llm(pretrained, args.speculative)
     t0 = time.perf_counter()
     if args.echo:
         print(args.prompt, end="", flush=True)
-    for piece in complete(pretrained, args.prompt, params, result, drafter, stats):
-        print(piece, end="", flush=True)
+    last = None
+    for last in llm.stream(prompt_ids(pretrained, args.prompt), _sampling_params(args)):
+        print(last.new_text, end="", flush=True)
     dt = time.perf_counter() - t0
     print()
-    spec = (f", {stats.acceptance_rate:.0%} of drafts accepted, {stats.tokens_per_forward:.2f} tokens/forward"
-            if drafter else "")
-    print(f"[{len(result.token_ids)} tokens, {len(result.token_ids) / dt:.1f} tok/s, "
-          f"finish: {result.finish_reason}{spec}]", file=sys.stderr)
+    n = len(last.token_ids)
+    stats = llm.engine.stats()
+    spec = (f", {stats.acceptance_rate:.0%} of drafts accepted, {n / max(stats.num_steps, 1):.2f} tokens/step"
+            if args.speculative else "")
+    print(f"[{n} tokens, {n / dt:.1f} tok/s, finish: {last.finish_reason}{spec}]", file=sys.stderr)
 
 
 def cmd_chat(args) -> None:
-    from .chat import ChatSession
+    from .chat import ChatSession, interactive_llm
 
     pretrained = _load(args)
-    session = ChatSession(pretrained, _sampling_params(args), system=args.system, drafter=_drafter(args, pretrained))
+    session = ChatSession(interactive_llm(pretrained, args.speculative), _sampling_params(args), system=args.system)
     if args.message is not None:  # one-shot: answer and exit (scripts, demos)
         for piece in session.send(args.message):
             print(piece, end="", flush=True)

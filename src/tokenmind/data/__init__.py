@@ -33,7 +33,7 @@ _EXPORTS = {
     "TokenShards": "shards",
     "DataPipelineConfig": "pipeline",
     "run_pipeline": "pipeline",
-    "Batch": "loader",
+    "TokenBatch": "loader",
     "LoaderConfig": "loader",
     "PackedLoader": "loader",
 }
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from tokenmind.data.clean import CleanConfig, DocumentCleaner, normalize_text
     from tokenmind.data.decontaminate import DecontaminationConfig, Decontaminator
     from tokenmind.data.dedup import ExactDeduplicator, MinHashConfig, MinHashDeduplicator
-    from tokenmind.data.loader import Batch, LoaderConfig, PackedLoader
+    from tokenmind.data.loader import LoaderConfig, PackedLoader, TokenBatch
     from tokenmind.data.pipeline import DataPipelineConfig, run_pipeline
     from tokenmind.data.quality import QualityConfig
     from tokenmind.data.readers import DataReadError, Document, ReaderConfig, read_documents

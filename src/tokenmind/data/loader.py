@@ -6,12 +6,12 @@ ending with eos, exactly as `shards.py` stores them) is cut into rows. Row r cov
 positions [r*T, r*T + T] (T + 1 tokens): the first T are the inputs, the last T the targets.
 
 Packing puts several documents in one row, and a model should not attend from one document
-into an unrelated previous one. So next to the tokens every batch carries, per position:
+into an unrelated previous one. So next to the tokens every `TokenBatch` carries, per position:
 
-* `doc_ids`: which document of the row the input token belongs to, counting from 0 at the
+* `document_ids`: which document of the row the input token belongs to, counting from 0 at the
   row's first token (a document's eos belongs to it); attention is allowed only where
-  `doc_ids` match.
-* `position_ids`: the position inside that document, restarting at 0 at each document start
+  `document_ids` match.
+* `positions`: the position inside that document, restarting at 0 at each document start
   and at the row start (for rotary/learned position embeddings).
 
 Row order is a seeded permutation per epoch, so it is reproducible, and the loader's position
@@ -24,21 +24,34 @@ every rank has the same number of rows): ranks see disjoint rows and stay in loc
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 
 from tokenmind.data.shards import TokenShards
 
+IGNORE_INDEX = -100  # a target with this id is not trained on (F.cross_entropy's default ignore_index)
 
-class Batch(NamedTuple):
-    """One batch; every field is a (batch_size, seq_len) int64 tensor."""
+
+@dataclass
+class TokenBatch:
+    """Packed rows of tokens; every field is a (batch_size, seq_len) int64 tensor.
+
+    input_ids: the tokens the model reads. targets: the token to predict at each position, or
+        IGNORE_INDEX where nothing is trained (SFT's non-assistant tokens, row padding).
+    document_ids, positions: the packing structure described in the module docstring.
+    """
 
     input_ids: torch.Tensor
     targets: torch.Tensor
-    doc_ids: torch.Tensor
-    position_ids: torch.Tensor
+    document_ids: torch.Tensor
+    positions: torch.Tensor
+
+    def to(self, device: torch.device) -> TokenBatch:
+        """This batch on `device`."""
+        return TokenBatch(*(t.to(device, non_blocking=True)
+                            for t in (self.input_ids, self.targets, self.document_ids, self.positions)))
 
 
 @dataclass
@@ -61,7 +74,7 @@ class LoaderConfig:
 
 
 class RowLoader:
-    """What every packed-row loader shares: an infinite iterator of `Batch`es whose epochs follow
+    """What every packed-row loader shares: an infinite iterator of `TokenBatch`es whose epochs follow
     each other seamlessly, a seeded row order per epoch, rank k taking every world_size-th row, and
     an exact position (epoch, batch) that `state_dict`/`load_state_dict` save and restore.
 
@@ -96,7 +109,7 @@ class RowLoader:
     def __iter__(self) -> RowLoader:
         return self
 
-    def __next__(self) -> Batch:
+    def __next__(self) -> TokenBatch:
         if self.step == self.batches_per_epoch:
             self.epoch, self.step = self.epoch + 1, 0
         size = self.cfg.batch_size
@@ -104,7 +117,7 @@ class RowLoader:
         self.step += 1
         return self.batch_for_rows(rows)
 
-    def batch_for_rows(self, rows: np.ndarray) -> Batch:
+    def batch_for_rows(self, rows: np.ndarray) -> TokenBatch:
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
@@ -130,7 +143,7 @@ class PackedLoader(RowLoader):
         self.shards = shards
         super().__init__(cfg, max(shards.num_tokens - 1, 0) // cfg.seq_len, f"{shards.num_tokens} tokens")
 
-    def batch_for_rows(self, rows: np.ndarray) -> Batch:
+    def batch_for_rows(self, rows: np.ndarray) -> TokenBatch:
         """Build the batch made of the given row indices (in that order)."""
         length = self.cfg.seq_len
         starts = rows.astype(np.int64) * length
@@ -140,9 +153,9 @@ class PackedLoader(RowLoader):
         doc_starts = self.shards.doc_starts
         docs = np.searchsorted(doc_starts, positions, side="right") - 1
         segment_start = np.maximum(doc_starts[docs], starts[:, None])
-        return Batch(
+        return TokenBatch(
             input_ids=torch.from_numpy(windows[:, :-1].copy()),
             targets=torch.from_numpy(windows[:, 1:].copy()),
-            doc_ids=torch.from_numpy(docs - docs[:, :1]),
-            position_ids=torch.from_numpy(positions - segment_start),
+            document_ids=torch.from_numpy(docs - docs[:, :1]),
+            positions=torch.from_numpy(positions - segment_start),
         )

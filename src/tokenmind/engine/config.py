@@ -16,6 +16,7 @@ import torch
 from ..model.config import ModelConfig
 from ..model.paged_attention import PagedKVCache
 from ..pretrained import DTYPES
+from .speculative import SpeculativeConfig
 
 
 @dataclass
@@ -31,6 +32,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse the KV blocks of prompts that start the same way
     max_model_len: int | None = None  # longest sequence (prompt + output); None = the model's context
     max_queue_wait: float | None = None  # seconds a request may wait for its first step; then it ends "timeout"
+    speculative: SpeculativeConfig | None = None  # draft tokens and verify them in one pass (see speculative.py)
     dtype: str | torch.dtype | None = None  # model and KV cache dtype ("bf16", ...); None = the model's own
     device: str | None = None  # None = where the model already is
 

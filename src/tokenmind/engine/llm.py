@@ -12,8 +12,7 @@ from __future__ import annotations
 import itertools
 import sys
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +22,13 @@ from ..model.transformer import Transformer
 from ..pretrained import Pretrained, load_pretrained
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .model_runner import ModelRunner
-from .sampler import TokenLogprob, sample_batch
+from .model_runner import Chunk, ModelRunner
+from .outputs import CompletionOutput, EngineStats, RequestOutput, TokenLogprob
+from .sampler import sample_batch
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .speculative import DraftModelProposer, make_proposer, spec_logprobs, verify
 
 
 class OutputStream:
@@ -67,78 +68,6 @@ class OutputStream:
         return self.text if finished else self.text[:max(0, len(self.text) - self.holdback)]
 
 
-@dataclass
-class CompletionOutput:
-    """One of a request's n completions: everything so far, plus what is new since the last report."""
-
-    index: int
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None  # "stop", "length", "abort", "timeout" (queued too long); None while running
-    logprobs: list[TokenLogprob] | None
-    new_token_ids: list[int]
-    new_text: str
-    queue_s: float | None  # time waiting for the first step
-    ttft_s: float | None  # time to first token
-    tpot_s: float | None  # mean time per output token after the first
-
-
-@dataclass
-class RequestOutput:
-    """A request's state after a step. The shortcut properties read completion 0 (the only one if n == 1)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    num_cached_tokens: int  # prompt tokens served by the prefix cache
-
-    @property
-    def finished(self) -> bool:
-        return all(o.finish_reason is not None for o in self.outputs)
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.outputs[0].token_ids
-
-    @property
-    def text(self) -> str:
-        return self.outputs[0].text
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.outputs[0].finish_reason
-
-    @property
-    def logprobs(self) -> list[TokenLogprob] | None:
-        return self.outputs[0].logprobs
-
-    @property
-    def new_token_ids(self) -> list[int]:
-        return self.outputs[0].new_token_ids
-
-    @property
-    def new_text(self) -> str:
-        return self.outputs[0].new_text
-
-    @property
-    def metrics(self) -> dict[str, float | None]:
-        return {"ttft_s": self.outputs[0].ttft_s, "tpot_s": self.outputs[0].tpot_s}
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float  # fraction of blocks held by sequences
-    prefix_cache_hit_rate: float  # cached prompt tokens / prompt tokens looked up
-    num_generated_tokens: int
-    num_preemptions: int
-    num_steps: int
-    num_blocks: int
-    oldest_waiting_s: float = 0.0  # how long the head of the queue has waited
-    num_queue_timeouts: int = 0  # requests ended after waiting longer than max_queue_wait
-
-
 class Engine:
     """Continuous-batching generation over a paged KV cache for one model.
 
@@ -148,30 +77,44 @@ class Engine:
     """
 
     def __init__(self, model: Transformer, tokenizer: Any = None, config: EngineConfig | None = None,
-                 eos_token_ids: Iterable[int] | None = None):
+                 eos_token_ids: Iterable[int] | None = None, draft_model: Transformer | None = None):
+        """`model` runs as given, shared and never modified: the engine neither copies, casts nor
+        moves it, so updates to its weights (an RL policy step) are what the next step runs.
+        `draft_model`: the drafter for `config.speculative` with method "draft"."""
         self.config = config = config or EngineConfig()
         weight = model.embed_tokens.weight
-        dtype = config.dtype or weight.dtype
-        device = torch.device(config.device) if config.device else weight.device
-        if (dtype, device) != (weight.dtype, weight.device):
-            model.to(device=device, dtype=dtype)
-        self.model, self.tokenizer = model.eval(), tokenizer
+        if config.dtype is not None and config.dtype != weight.dtype:
+            raise ValueError(f"the model's weights are {weight.dtype} but EngineConfig.dtype is {config.dtype}; load "
+                             "the model in that dtype (load_model(..., dtype=...)) or leave EngineConfig.dtype unset")
+        if config.device is not None and torch.device(config.device) != weight.device:
+            raise ValueError(f"the model is on {weight.device} but EngineConfig.device is {config.device}; move the "
+                             "model first or leave EngineConfig.device unset")
+        self.model, self.tokenizer = model, tokenizer
         if eos_token_ids is None:
             eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else ()
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = config.resolve_max_model_len(model.cfg)
-        num_blocks = config.resolve_num_blocks(model.cfg, dtype, device)
+        num_blocks = config.resolve_num_blocks(model.cfg, weight.dtype, weight.device)
         # the longest sequence the KV pool can hold at all (its last token is sampled, never cached)
         self.max_seq_len = min(self.max_model_len, num_blocks * config.block_size + 1)
         self.runner = ModelRunner(model, num_blocks, config.block_size)
+        self.proposer = None if config.speculative is None else make_proposer(
+            config.speculative, draft_model, model.cfg.vocab_size, num_blocks, config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                          self.runner.kv_cache.copy_block)
+                                          self._copy_block)
         self.scheduler = Scheduler(config, self.block_manager)
         self.requests: dict[str, list[Sequence]] = {}  # unfinished requests → their completions
         self.num_generated_tokens = 0
         self.num_steps = 0
         self.num_queue_timeouts = 0
+        self.num_drafted = self.num_accepted = 0  # speculative decoding: draft tokens verified, and kept
         self._next_id = itertools.count()
+
+    def _copy_block(self, src: int, dst: int) -> None:
+        """Copy-on-write of one block, in every pool that holds it."""
+        self.runner.kv_cache.copy_block(src, dst)
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.copy_block(src, dst)
 
     # ----------------------------------------------------------------- requests
 
@@ -195,6 +138,8 @@ class Engine:
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         seq = Sequence(request_id, ids, params, stop_ids, max_len, device=self.runner.device)
         seq.stream = self._new_stream(params)
+        if self.config.speculative is not None:
+            seq.spec_k = self.config.speculative.num_speculative_tokens
         self.requests[request_id] = [seq]
         self.scheduler.add(seq)
         return request_id
@@ -248,41 +193,106 @@ class Engine:
         oldest = min((seq.arrival_time for seq in waiting), default=None)
         return EngineStats(len(self.scheduler.running), len(waiting), bm.usage, bm.prefix_hit_rate,
                            self.num_generated_tokens, self.scheduler.num_preemptions, self.num_steps, bm.num_blocks,
-                           0.0 if oldest is None else time.perf_counter() - oldest, self.num_queue_timeouts)
+                           0.0 if oldest is None else time.perf_counter() - oldest, self.num_queue_timeouts,
+                           self.num_drafted, self.num_accepted)
 
     # ----------------------------------------------------------------- the loop
 
     def step(self) -> list[RequestOutput]:
         """Run one forward pass over the scheduled tokens; outputs of the requests that changed."""
         expired = self._expire_queue()
+        self._offer_lookahead()
         batch = self.scheduler.schedule()
         if not batch:
             if self.requests:
                 raise RuntimeError(f"no request could be scheduled although {len(self.requests)} are unfinished; "
                                    "this is an engine bug")
             return expired
-        logits, ready = self.runner.run(batch)
-        for seq, n in batch:
-            self.block_manager.mark_computed(seq, n)
+        self._propose(batch)
+        chunks = [self._chunk(seq, n) for seq, n in batch]
+        logits, offsets = self.runner.run(chunks)
         self.num_steps += 1
-        rows, seqs = [], []
-        for row, seq in enumerate(ready):
-            group = [seq] + self._fork(seq)
-            rows += [row] * len(group)
-            seqs += group
-        if not seqs:  # only mid-prompt chunks this step
-            return expired
-        tokens, logprobs = sample_batch(logits[rows], seqs)
         now = time.perf_counter()
-        for seq, token, logprob in zip(seqs, tokens, logprobs):
-            self._append(seq, token, logprob, now)
+        rows, seqs, changed = [], [], []
+        for chunk, offset in zip(chunks, offsets):
+            seq = chunk.seq
+            if seq.draft is not None:  # a verification: its tokens are known now
+                self._verify(seq, logits[offset:offset + len(chunk.token_ids)], now)
+                changed.append(seq)
+                continue
+            self.block_manager.mark_computed(seq, len(chunk.token_ids))
+            if chunk.logits == "last":
+                group = [seq] + self._fork(seq)
+                rows += [offset] * len(group)
+                seqs += group
+        if seqs:
+            tokens, logprobs = sample_batch(logits[rows], seqs)
+            for seq, token, logprob in zip(seqs, tokens, logprobs):
+                self._append(seq, token, logprob, now)
         outputs = expired
-        for request_id in dict.fromkeys(seq.request_id for seq in seqs):
+        for request_id in dict.fromkeys(seq.request_id for seq in changed + seqs):
             out = self._output(self.requests[request_id])
             if out.finished:
                 del self.requests[request_id]
             outputs.append(out)
         return outputs
+
+    def _chunk(self, seq: Sequence, n: int) -> Chunk:
+        """What the runner feeds for a scheduled (sequence, n): its next pending tokens (n of them,
+        or the last token plus this step's draft), with logits where a token will be chosen."""
+        start = seq.num_computed_tokens
+        if seq.draft is not None:
+            return Chunk(seq, [seq.token_ids[-1], *seq.draft.tokens], start, logits="all")
+        tokens = seq.token_ids[start:start + n]  # n may include lookahead slots no draft filled
+        done = start + len(tokens) == seq.num_tokens  # a mid-prompt chunk needs no logits
+        return Chunk(seq, tokens, start, logits="last" if done else "none")
+
+    # ----------------------------------------------------------------- speculative decoding
+
+    def _offer_lookahead(self) -> None:
+        """Before scheduling: let each decoding sequence ask for slots to verify drafts in."""
+        spec = self.config.speculative
+        if spec is None:
+            return
+        for seq in self.scheduler.running:
+            p = seq.params
+            plain = p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+            room = seq.max_len - seq.num_tokens - 1  # verification adds up to k + 1 tokens
+            seq.num_lookahead = min(seq.spec_k, room) if plain and seq.num_pending_tokens == 1 and \
+                not seq.pending_forks else 0
+
+    def _propose(self, batch: list[tuple[Sequence, int]]) -> None:
+        """Drafts for the sequences the scheduler gave lookahead slots (n - 1 of them)."""
+        seqs = [(seq, n - 1) for seq, n in batch if seq.num_lookahead and seq.num_pending_tokens == 1 and n > 1]
+        for seq, _ in batch:
+            seq.draft = None
+        if not seqs:
+            return
+        drafts = self.proposer.propose([s for s, _ in seqs], [k for _, k in seqs])
+        for (seq, k), draft in zip(seqs, drafts):
+            draft.tokens = draft.tokens[:k]
+            if draft.tokens:
+                seq.draft = draft
+
+    def _verify(self, seq: Sequence, logits: torch.Tensor, now: float) -> None:
+        """Keep the drafts the target agrees with, append them and the target's own next token."""
+        draft, before = seq.draft, seq.num_tokens
+        tokens = verify(logits, seq, draft)
+        kept = len(tokens) - 1
+        self.proposer.verified(seq, before, len(draft.tokens), kept)
+        self.num_drafted += len(draft.tokens)
+        self.num_accepted += kept
+        if self.config.speculative.adaptive:
+            limit = self.config.speculative.num_speculative_tokens
+            seq.spec_k = min(limit, seq.spec_k + 2) if kept == len(draft.tokens) else max(1, seq.spec_k - 1)
+        logprobs = spec_logprobs(logits, tokens, seq.params.logprobs) if seq.params.logprobs is not None else None
+        for i, token in enumerate(tokens):
+            self._append(seq, token, logprobs[i] if logprobs else None, now)
+            if seq.is_finished:
+                break
+        else:  # the last context token and the kept drafts have their k/v now (blocks are keyed by content)
+            self.block_manager.mark_computed(seq, 1 + kept)
+        seq.draft = None
 
     def _expire_queue(self) -> list[RequestOutput]:
         """End the requests that waited longer than `max_queue_wait` for their first step ("timeout")."""
@@ -344,17 +354,40 @@ class Engine:
 
 
 class LLM:
-    """Offline batch generation: `LLM("smollm2").generate(prompts, params)`.
+    """Generation over the engine: `LLM("smollm2").generate(prompts, params)` runs a batch to the end,
+    `stream(prompt, params)` yields one request's outputs as they come (the CLI's chat).
 
-    `engine_options` are `EngineConfig` fields (block_size, kv_cache_bytes, max_num_seqs, dtype, ...).
+    `engine_options` are `EngineConfig` fields (block_size, kv_cache_bytes, max_num_seqs, dtype,
+    speculative, ...). `draft_model` (a reference, a loaded model or a `Transformer`) drafts for
+    `speculative=SpeculativeConfig("draft")`.
     """
 
-    def __init__(self, model: str | Path | Pretrained, **engine_options: Any):
+    def __init__(self, model: str | Path | Pretrained, draft_model: str | Path | Pretrained | Transformer | None = None,
+                 **engine_options: Any):
         config = EngineConfig(**engine_options)
         if not isinstance(model, Pretrained):
             model = load_pretrained(model, dtype=config.dtype or torch.float32)
+        if draft_model is not None and not isinstance(draft_model, Transformer):
+            dtype = model.model.embed_tokens.weight.dtype
+            draft_model = (draft_model if isinstance(draft_model, Pretrained)
+                           else load_pretrained(draft_model, dtype=dtype)).model
         self.pretrained, self.tokenizer = model, model.tokenizer
-        self.engine = Engine(model.model, model.tokenizer, config)
+        self.engine = Engine(model.model, model.tokenizer, config, draft_model=draft_model)
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """One request's outputs, one per step with new tokens (`new_text`, `new_token_ids`), the last
+        one finished. Stopping the iteration early aborts the request."""
+        request_id = self.engine.add_request(prompt, params)
+        finished = False
+        try:
+            while not finished:
+                for out in self.engine.step():
+                    if out.request_id == request_id:
+                        finished = out.finished
+                        yield out
+        finally:
+            if not finished:
+                self.engine.abort(request_id)
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None,

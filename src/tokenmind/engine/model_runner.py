@@ -1,13 +1,17 @@
-"""`ModelRunner`: turns one scheduled step into a forward pass over the block pool.
+"""`ModelRunner`: turns a step's chunks of tokens into one forward pass over the block pool.
 
-The scheduled sequences' new tokens are laid back to back in one row (1, N) with their positions;
-`PagedAttentionMetadata` tells attention where each token's k/v goes (slot = block * block_size +
-offset) and which blocks each sequence reads. The LM head then runs only on the rows that are
-sampled from: the last token of every sequence whose pending tokens this step completes — a
-decode, or the final chunk of a prompt. A mid-prompt chunk needs no logits.
+A chunk is some new tokens of one sequence at known positions: a prompt (or a piece of it), a
+decode token, or a decode token followed by draft tokens to verify. The chunks are laid back to
+back in one row (1, N) with their positions; `PagedAttentionMetadata` tells attention where each
+token's k/v goes (slot = block * block_size + offset, from the sequence's block table) and which
+blocks each sequence reads. The LM head then runs only on the rows someone needs: the last token
+of a chunk that completes its sequence's pending tokens (to sample from), every token of a
+verification chunk, none of a mid-prompt chunk.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -16,8 +20,18 @@ from ..model.transformer import Transformer
 from .sequence import Sequence
 
 
+@dataclass
+class Chunk:
+    """New tokens of one sequence, starting at position `start`; `logits`: "last", "all" or "none"."""
+
+    seq: Sequence
+    token_ids: list[int]
+    start: int
+    logits: str = "last"
+
+
 class ModelRunner:
-    """Owns the model and the KV block pool (`kv_cache`) it reads and writes."""
+    """Owns a model and the KV block pool (`kv_cache`) it reads and writes."""
 
     def __init__(self, model: Transformer, num_blocks: int, block_size: int):
         self.model = model
@@ -25,36 +39,41 @@ class ModelRunner:
         self.device, self.block_size = weight.device, block_size
         self.kv_cache = PagedKVCache(model.cfg, num_blocks, block_size, dtype=weight.dtype, device=weight.device)
 
-    def prepare(self, batch: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor, PagedAttentionMetadata,
-                                                                   list[int], list[Sequence]]:
-        """(input_ids (1, N), positions (1, N), metadata, rows to sample, their sequences) for (seq, n) pairs."""
+    def prepare(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, PagedAttentionMetadata, list[int]]:
+        """(input_ids (1, N), positions (1, N), metadata, the rows whose logits are wanted)."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        starts, seq_lens, sample_rows, ready = [0], [], [], []
-        for seq, n in batch:
-            a, b = seq.num_computed_tokens, seq.num_computed_tokens + n
-            ids += seq.token_ids[a:b]
+        starts, seq_lens, rows = [0], [], []
+        for chunk in chunks:
+            a, b, table = chunk.start, chunk.start + len(chunk.token_ids), chunk.seq.block_table
+            first = len(ids)
+            ids += chunk.token_ids
             positions += range(a, b)
-            table = seq.block_table
             slots += [table[p // bs] * bs + p % bs for p in range(a, b)]
             starts.append(len(ids))
             seq_lens.append(b)
-            if b == seq.num_tokens:
-                sample_rows.append(len(ids) - 1)
-                ready.append(seq)
-        width = max(len(seq.block_table) for seq, _ in batch)
-        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in batch]
+            if chunk.logits == "all":
+                rows += range(first, len(ids))
+            elif chunk.logits == "last":
+                rows.append(len(ids) - 1)
+        width = max(-(-n // bs) for n in seq_lens)
+        tables = [c.seq.block_table[:width] + [0] * (width - min(width, len(c.seq.block_table))) for c in chunks]
         dev = self.device
         meta = PagedAttentionMetadata(torch.tensor(slots, dtype=torch.int64, device=dev), starts, seq_lens,
                                       torch.tensor(tables, dtype=torch.int64, device=dev))
-        return torch.tensor([ids], device=dev), torch.tensor([positions], device=dev), meta, sample_rows, ready
+        return torch.tensor([ids], device=dev), torch.tensor([positions], device=dev), meta, rows
 
-    def run(self, batch: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
-        """Compute this step's k/v; return (S, V) float32 logits and the sequences they belong to."""
-        input_ids, positions, meta, rows, ready = self.prepare(batch)
+    def run(self, chunks: list[Chunk]) -> tuple[torch.Tensor, list[int]]:
+        """Compute the chunks' k/v; return (R, V) float32 logits of the wanted rows, in chunk order,
+        and each chunk's first row among them."""
+        input_ids, positions, meta, rows = self.prepare(chunks)
         with torch.inference_mode():
-            hidden = self.model.hidden_states(input_ids, positions, kv_cache=self.kv_cache, attn=meta)
+            hidden = self.model.hidden_states(input_ids, positions, meta, self.kv_cache)
             logits = self.model.logits(hidden[0, rows]).float() if rows else hidden.new_empty(0, 0)
-        return logits, ready
+        offsets, at = [], 0
+        for chunk in chunks:
+            offsets.append(at)
+            at += {"all": len(chunk.token_ids), "last": 1, "none": 0}[chunk.logits]
+        return logits, offsets

@@ -12,24 +12,15 @@ temperatures and match a plain forward pass when no penalty is set.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from .outputs import TokenLogprob
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:
     from .sequence import Sequence
-
-
-@dataclass
-class TokenLogprob:
-    """The chosen token's logprob and the `k` most likely tokens at that position, best first."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -98,7 +89,13 @@ def sample_batch(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int],
     if wanted:
         logp = logits[wanted].log_softmax(-1)
         for j, i in enumerate(wanted):
-            top_vals, top_ids = logp[j].topk(seqs[i].params.logprobs)
-            logprobs[i] = TokenLogprob(token_list[i], float(logp[j, token_list[i]]),
-                                       list(zip(top_ids.tolist(), top_vals.tolist())))
+            logprobs[i] = token_logprobs(logp[j:j + 1], [token_list[i]], seqs[i].params.logprobs)[0]
     return token_list, logprobs
+
+
+def token_logprobs(logp: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:
+    """For (n, V) log-probabilities and the n chosen tokens: each one's logprob and the top k."""
+    top_vals, top_ids = logp.topk(k, dim=-1)
+    chosen = logp.gather(-1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()
+    return [TokenLogprob(t, c, list(zip(ids, vals))) for t, c, ids, vals in
+            zip(tokens, chosen, top_ids.tolist(), top_vals.tolist())]

@@ -1,4 +1,7 @@
-"""Sampling parameters and the logits → next-token step they control."""
+"""`SamplingParams`: how a request picks its tokens, checked once; and the per-request RNG.
+
+The batched logits → token step they control is `sampler.py`.
+"""
 
 from __future__ import annotations
 
@@ -15,11 +18,7 @@ SAMPLING_EPS = 1e-5
 
 @dataclass
 class SamplingParams:
-    """How to pick each next token. temperature 0 means greedy (argmax).
-
-    The penalties, `stop`, `n` and `logprobs` are honoured by the batched engine (`engine/llm.py`);
-    the simple loop in `generate.py` uses temperature, top-k/p, min-p, seed and stop token ids.
-    """
+    """How to pick each next token. temperature 0 means greedy (argmax)."""
 
     max_tokens: int = 128
     temperature: float = 1.0
@@ -77,30 +76,3 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     else:
         g.manual_seed(seed)
     return g
-
-
-def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p on (B, V) float logits; removed tokens get -inf."""
-    logits = logits.float() / params.temperature
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        # Drop a token when the mass before it already reaches top_p (the top token always stays).
-        drop_sorted = (cum - sorted_logits.softmax(-1)) >= params.top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    if params.min_p > 0.0:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), float("-inf"))
-    return logits
-
-
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """Pick one token per row of (B, V) logits → (B,) int64."""
-    if params.greedy:
-        return logits.argmax(-1)
-    probs = filter_logits(logits, params).softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -2,7 +2,8 @@
 
 Each step has a token budget (`max_num_batched_tokens`). Running sequences go first, oldest
 first: each asks for its pending tokens (one for a decode, the rest of its prompt for a chunked
-prefill). Then waiting sequences are admitted first-come-first-served while the budget, the
+prefill), plus its `num_lookahead` slots for draft tokens when the engine speculates (dropped
+first when blocks run short). Then waiting sequences are admitted first-come-first-served while the budget, the
 sequence limit and free blocks last; a prompt longer than what is left of the budget is split
 (chunked prefill), so a long prompt never stalls the decodes of everybody else.
 
@@ -46,7 +47,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget:
             seq = self.running[i]
-            n = min(seq.num_pending_tokens, budget)
+            n = min(seq.num_pending_tokens + seq.num_lookahead, budget)
+            if not bm.can_append(seq, n):
+                n = min(seq.num_pending_tokens, budget)  # no room for drafts: decode plainly
             while not bm.can_append(seq, n):
                 victim = self.running.pop()  # the newest; never one already in this batch
                 self._preempt(victim)
@@ -89,7 +92,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
-        seq.status = SequenceStatus.WAITING
+        seq.status, seq.spec_state = SequenceStatus.WAITING, None  # a draft model's pool state is gone too
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 

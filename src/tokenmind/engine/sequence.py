@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .sampler import TokenLogprob
+from .outputs import TokenLogprob
 from .sampling import SamplingParams, make_generator
 
 
@@ -51,6 +51,12 @@ class Sequence:
         self.logprobs: list[TokenLogprob] = []
         self.finish_reason: str | None = None
         self.stream: Any = None  # the engine's output state: detokenizer, stop strings, what was reported
+        # speculative decoding: slots the scheduler may add for drafts this step, the adaptive draft
+        # length, the proposer's own per-sequence state, and this step's draft
+        self.num_lookahead = 0
+        self.spec_k = 0
+        self.spec_state: Any = None
+        self.draft: Any = None
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None  # when it first left the queue
         self.first_token_time: float | None = None

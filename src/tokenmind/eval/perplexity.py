@@ -25,7 +25,7 @@ import torch
 
 from ..data.loader import LoaderConfig, PackedLoader
 from ..data.shards import TokenShards
-from ..train.trainer import next_token_loss
+from ..train.objectives import NextTokenObjective
 from .loglik import Request, loglikelihoods
 
 
@@ -89,12 +89,12 @@ def shard_val_loss(model, shards_dir: str | Path, batches: int = 20, seq_len: in
         raise ValueError(f"{shards_dir} holds token ids up to {shards.vocab_size - 1} but the model's vocabulary "
                          f"has {model.cfg.vocab_size}: the shards were made with another tokenizer")
     loader = PackedLoader(shards, LoaderConfig(batch_size=batch_size, seq_len=seq_len, shuffle=False))
-    device, precision = model.embed_tokens.weight.device, "fp32"
+    device, objective = model.embed_tokens.weight.device, NextTokenObjective()
     nll, tokens, num_bytes = 0.0, 0, 0
     with torch.inference_mode():
         for _ in range(min(batches, loader.batches_per_epoch)):
             batch = next(loader)
-            nll += float(next_token_loss(model, batch, device, precision, reduction="sum"))
+            nll += float(objective(model, batch.to(device), "fp32").loss)
             tokens += batch.targets.numel()
             if tokenizer is not None:
                 num_bytes += sum(len(tokenizer.decode(row, skip_special_tokens=True).encode("utf-8"))

@@ -125,8 +125,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
                     meta: PagedAttentionMetadata, window: int | None, attend: Callable) -> torch.Tensor:
     """q (N, H, D), k/v (N, H_kv, D) for the new tokens → attention output (N, H, D).
 
-    `attend(q, k, v, mask)` is the layer's own kernel on (B, H, T, D) tensors, so soft-capping and
-    GQA behave exactly as in the unpaged path. Single-token (decode) sequences run as one padded
+    `attend(q, k, v, mask, causal)` is the layer's kernel on (B, H, T, D) tensors
+    (`attention.scaled_dot_product`), so soft-capping and GQA behave exactly as in the dense path. Single-token (decode) sequences run as one padded
     batch; multi-token (prefill) chunks run one sequence at a time.
     """
     k_cache, v_cache = cache.k[layer], cache.v[layer]
@@ -139,10 +139,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
         keys = _gather_blocks(k_cache, dec.block_tables)[:, :dec.longest].transpose(1, 2)  # (S, H_kv, L, D)
         vals = _gather_blocks(v_cache, dec.block_tables)[:, :dec.longest].transpose(1, 2)
         if dec.rows.numel() == q.shape[0]:  # an all-decode step: no scatter into a bigger output
-            return attend(q[:, :, None], keys, vals, dec.mask)[:, :, 0]
+            return attend(q[:, :, None], keys, vals, dec.mask, False)[:, :, 0]
     out = torch.empty_like(q)
     if dec is not None:
-        out[dec.rows] = attend(q[dec.rows][:, :, None], keys, vals, dec.mask)[:, :, 0]
+        out[dec.rows] = attend(q[dec.rows][:, :, None], keys, vals, dec.mask, False)[:, :, 0]
     for i in range(meta.num_seqs):
         a, b = starts[i], starts[i + 1]
         if b - a == 1:
@@ -150,5 +150,5 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
         keys = _gather(k_cache, meta.block_tables[i], lens[i])[None]
         vals = _gather(v_cache, meta.block_tables[i], lens[i])[None]
         mask = _causal_mask(b - a, lens[i], window, q.device)
-        out[a:b] = attend(q[a:b].transpose(0, 1)[None], keys, vals, mask)[0].transpose(0, 1)
+        out[a:b] = attend(q[a:b].transpose(0, 1)[None], keys, vals, mask, False)[0].transpose(0, 1)
     return out

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from .attention import AttentionMetadata, DenseAttentionMetadata, DenseMask, attend
 from .config import ModelConfig
-from .kv_cache import KVCache
-from .paged_attention import PagedAttentionMetadata, PagedKVCache, paged_attention
+from .paged_attention import PagedAttentionMetadata, PagedKVCache
 from .rope import RotaryEmbedding, apply_rotary
 
 
@@ -50,44 +50,19 @@ class Attention(nn.Module):
         self.window = cfg.sliding_window
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: "AttnMask | None",
-                kv_cache: KVCache | PagedKVCache | None = None, cache_start: int = 0,
-                paged: PagedAttentionMetadata | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: DenseMask | PagedAttentionMetadata,
+                kv_cache: PagedKVCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         qkv = self.qkv_proj(x).view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim)
         qk, v = qkv[:, :, :self.n_heads + self.n_kv], qkv[:, :, self.n_heads + self.n_kv:]
         if hasattr(self, "q_norm"):
             q, k = qk.split([self.n_heads, self.n_kv], dim=2)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
-        qk = apply_rotary(qk, cos, sin).transpose(1, 2)  # (B, H + H_kv, T, D)
-        q, k, v = qk[:, :self.n_heads], qk[:, self.n_heads:], v.transpose(1, 2)
-        if paged is not None:  # engine path: B == 1, the row is all scheduled sequences' new tokens
-            out = paged_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), kv_cache,
-                                  self.layer_idx, paged, self.window, self._attend)
-            return self.o_proj(out.reshape(B, T, self.n_heads * self.head_dim))
-        if kv_cache is not None:
-            k, v = kv_cache.write(self.layer_idx, cache_start, k, v)  # (B, H_kv, S, D)
-        causal = mask.causal
-        out = self._attend(q, k, v, mask.tensor, causal)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
-
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                causal: bool = False) -> torch.Tensor:
-        """(B, H, T, D) queries over (B, H_kv, S, D) keys; mask (B|1, 1, T, S) bool, True = attend."""
-        if self.softcap is None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                                  scale=self.scale, enable_gqa=self.n_kv != self.n_heads)
-        # Soft-capping bends the scores before softmax, which the fused kernel cannot do.
-        group = self.n_heads // self.n_kv
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        scores = (q @ k.transpose(-1, -2)).float() * self.scale
-        scores = self.softcap * torch.tanh(scores / self.softcap)
-        if causal:
-            T, S = q.shape[2], k.shape[2]
-            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        return torch.softmax(scores, dim=-1).to(v.dtype) @ v
+        qk = apply_rotary(qk, cos, sin)  # (B, T, H + H_kv, D)
+        q, k = qk[:, :, :self.n_heads], qk[:, :, self.n_heads:]
+        out = attend(q, k, v, attn, kv_cache, self.layer_idx, scale=self.scale, softcap=self.softcap,
+                     window=self.window)
+        return self.o_proj(out.reshape(B, T, self.n_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -112,46 +87,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask, kv_cache=None, cache_start=0, paged=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache, cache_start, paged)
+    def forward(self, x, cos, sin, attn, kv_cache=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class AttnMask:
-    """Which keys each query may see: causal, minus padding, within the sliding window, same document.
-
-    Stays symbolic (`tensor is None`) in the common cases so SDPA can use its fast paths:
-    plain causal prefill (`causal=True`) and single-token decode with no padding (no mask at all).
-    """
-
-    def __init__(self, q_slots: torch.Tensor, num_keys: int, key_mask: torch.Tensor | None,
-                 sliding_window: int | None, document_ids: torch.Tensor | None = None):
-        if (document_ids is not None and not torch.compiler.is_compiling()  # a data-dependent branch breaks graphs
-                and bool((document_ids == document_ids[:, :1]).all())):
-            document_ids = None  # one document per row: plain causal, so SDPA keeps its mask-free kernel
-        self.q_slots, self.num_keys, self.key_mask, self.window = q_slots, num_keys, key_mask, sliding_window
-        self.document_ids = document_ids
-        T = q_slots.shape[0]
-        window_bites = sliding_window is not None and num_keys > sliding_window
-        plain = key_mask is None and document_ids is None and not window_bites
-        self.causal = plain and T > 1 and T == num_keys
-        self.tensor = None if plain and (T == 1 or self.causal) else self.materialize(T, num_keys, q_slots.device)
-
-    def materialize(self, T: int, S: int, device) -> torch.Tensor | None:
-        """(B or 1, 1, T, S) bool; True = may attend."""
-        k_slots = torch.arange(S, device=device)
-        allowed = k_slots[None, :] <= self.q_slots[:, None]  # (T, S)
-        if self.window is not None:
-            allowed = allowed & (self.q_slots[:, None] - k_slots[None, :] < self.window)
-        allowed = allowed[None, None]
-        if self.document_ids is not None:  # packed training rows: never attend across documents
-            docs = self.document_ids
-            allowed = allowed & (docs[:, None, :, None] == docs[:, None, None, :])
-        if self.key_mask is not None:
-            allowed = allowed & self.key_mask[:, None, None, :S]
-            # A padding query would see no key at all; let it see itself so softmax stays finite.
-            allowed = allowed | (k_slots[None, :] == self.q_slots[:, None])[None, None]
-        return allowed
 
 
 class Transformer(nn.Module):
@@ -167,49 +105,35 @@ class Transformer(nn.Module):
         self.rotary = RotaryEmbedding(cfg)
         self.gradient_checkpointing = False  # recompute each block's activations in backward (saves memory)
 
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, *,
-                      attention_mask: torch.Tensor | None = None, kv_cache: KVCache | PagedKVCache | None = None,
-                      document_ids: torch.Tensor | None = None,
-                      attn: PagedAttentionMetadata | None = None) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                      attn: AttentionMetadata | None = None, kv_cache: PagedKVCache | None = None) -> torch.Tensor:
         """input_ids (B, T) → final-normed hidden states (B, T, hidden).
 
-        positions: (B, T) token positions for RoPE; default: cache offset + arange(T).
-        attention_mask: (B, T) 1 for real tokens, 0 for (left) padding.
-        kv_cache: a `KVCache`; the new keys/values are appended and attention sees all cached ones.
-        document_ids: (B, T) for packed training rows: tokens attend only within their document
-            (pass positions that restart at each document too).
-        attn: the engine's paged metadata; then input_ids is (1, N) — the new tokens of every scheduled
-            sequence back to back — positions are required and kv_cache is the `PagedKVCache` block pool.
+        positions: (B, T) token positions for RoPE; default 0..T-1 in every row.
+        attn: how the batch attends (`model/attention.py`): None or `DenseAttentionMetadata` for
+            whole sequences (causal; packed documents, shared prefixes, padding); the engine's
+            `PagedAttentionMetadata` for a step over the block pool `kv_cache`, where input_ids is
+            (1, N) — the new tokens of every scheduled sequence back to back — and positions are
+            required.
         """
-        if attn is not None:
-            if positions is None or not isinstance(kv_cache, PagedKVCache):
-                raise ValueError("paged attention needs explicit positions and a PagedKVCache")
-            x = self.embed_tokens(input_ids)
-            cos, sin = self.rotary(positions, x.dtype)
-            for layer in self.layers:
-                x = layer(x, cos, sin, None, kv_cache, 0, attn)
-            return self.norm(x)
-        if document_ids is not None and kv_cache is not None:
-            raise ValueError("document_ids is for packed training batches; it cannot be combined with a kv_cache")
-        B, T = input_ids.shape
-        start = kv_cache.reserve(T, attention_mask) if kv_cache is not None else 0
-        if positions is None:
-            positions = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
-        if kv_cache is not None:
-            key_mask = kv_cache.key_mask[:, :start + T] if kv_cache.has_padding else None
-        else:
-            key_mask = attention_mask.bool() if attention_mask is not None and not attention_mask.all() else None
-        q_slots = torch.arange(start, start + T, device=input_ids.device)
-        mask = AttnMask(q_slots, start + T, key_mask, self.cfg.sliding_window, document_ids)
         x = self.embed_tokens(input_ids)
+        if isinstance(attn, PagedAttentionMetadata):
+            if positions is None or kv_cache is None:
+                raise ValueError("paged attention needs explicit positions and the PagedKVCache it describes")
+            mask: DenseMask | PagedAttentionMetadata = attn
+        else:
+            if kv_cache is not None:
+                raise ValueError("a kv_cache is read through paged attention metadata (the engine builds it); "
+                                 "a dense batch attends to itself")
+            if positions is None:
+                positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)
+            mask = (attn or DenseAttentionMetadata()).resolve(positions, self.cfg.sliding_window)
         cos, sin = self.rotary(positions, x.dtype)
         for layer in self.layers:
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, mask, kv_cache, start)
-        if kv_cache is not None:
-            kv_cache.commit(T)
+                x = layer(x, cos, sin, mask, kv_cache)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -217,17 +141,10 @@ class Transformer(nn.Module):
         cap = self.cfg.final_logit_softcapping
         return logits if cap is None else cap * torch.tanh(logits / cap)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, *,
-                attention_mask: torch.Tensor | None = None, kv_cache: KVCache | PagedKVCache | None = None,
-                document_ids: torch.Tensor | None = None,
-                attn: PagedAttentionMetadata | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                attn: AttentionMetadata | None = None, kv_cache: PagedKVCache | None = None) -> torch.Tensor:
         """Logits (B, T, vocab) for every position; see `hidden_states` for the arguments."""
-        return self.logits(self.hidden_states(input_ids, positions, attention_mask=attention_mask,
-                                              kv_cache=kv_cache, document_ids=document_ids, attn=attn))
-
-    def new_kv_cache(self, batch_size: int, max_len: int) -> KVCache:
-        p = self.embed_tokens.weight
-        return KVCache(self.cfg, batch_size, max_len, dtype=p.dtype, device=p.device)
+        return self.logits(self.hidden_states(input_ids, positions, attn, kv_cache))
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:

@@ -10,7 +10,7 @@ IGNORE_INDEX after the last token (nothing follows a conversation).
 
 Conversations are short and uneven, so padding each to the row length would waste most of a
 batch's compute. They are packed instead, several per row of `seq_len`, with the same
-`doc_ids`/`position_ids` the pre-training loader produces: positions restart at 0 in every
+`document_ids`/`positions` the pre-training loader produces: positions restart at 0 in every
 conversation and attention never crosses from one conversation into another, so a packed
 conversation gets exactly the logits it would get alone. Packing is best-fit decreasing
 (longest first, each into the fullest row it still fits), which leaves ~1% of a row empty
@@ -36,9 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tokenmind.data.loader import Batch, LoaderConfig, RowLoader
+from tokenmind.data.loader import IGNORE_INDEX, LoaderConfig, RowLoader, TokenBatch
 from tokenmind.tokenizer import Tokenizer
-from tokenmind.train.trainer import IGNORE_INDEX
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -168,14 +167,14 @@ def pack(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
 
 
 class ChatLoader(RowLoader):
-    """Packed chat `Batch`es with `RowLoader`'s contract (seeded order, ranks, exact resume)."""
+    """Packed chat `TokenBatch`es with `RowLoader`'s contract (seeded order, ranks, exact resume)."""
 
     def __init__(self, examples: Sequence[Example], cfg: LoaderConfig) -> None:
         self.examples = list(examples)
         self.rows = pack([len(e.inputs) for e in self.examples], cfg.seq_len)
         super().__init__(cfg, len(self.rows), f"{len(self.examples)} conversations")
 
-    def batch_for_rows(self, rows: Sequence[int]) -> Batch:
+    def batch_for_rows(self, rows: Sequence[int]) -> TokenBatch:
         """The batch of the given packed rows; the tail of each row is one padding document
         (input id 0, targets IGNORE_INDEX)."""
         shape = (len(rows), self.cfg.seq_len)
@@ -190,4 +189,4 @@ class ChatLoader(RowLoader):
                 docs[r, start:end], positions[r, start:end] = doc, np.arange(end - start)
                 start = end
             docs[r, start:], positions[r, start:] = len(self.rows[row]), np.arange(shape[1] - start)
-        return Batch(*(torch.from_numpy(a) for a in (inputs, targets, docs, positions)))
+        return TokenBatch(*(torch.from_numpy(a) for a in (inputs, targets, docs, positions)))

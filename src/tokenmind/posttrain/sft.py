@@ -1,16 +1,16 @@
 """Supervised fine-tuning: continue training a pretrained model on chats, loss on assistant tokens only.
 
-SFT is pre-training's loop with two things swapped, so `SFTTrainer` subclasses the `Trainer`
-and keeps its optimizer, schedule, precision, gradient accumulation, checkpoints with exact
-resume, metrics, loss plot and export:
+SFT is pre-training's loop given other inputs: `build_sft_trainer` hands the `Trainer` (with its
+optimizer, schedule, precision, gradient accumulation, checkpoints with exact resume, metrics,
+loss plot and export) the same `NextTokenObjective` and
 
-* the model starts from `sft.init_from` — a training run (its `final/`), a Hugging Face
-  directory, a `.gguf` file or an alias such as `smollm2` — with that checkpoint's own
-  `ModelConfig`, instead of a random init from a `model` section;
-* batches come from chat JSONL files (`posttrain.data`): rendered with the tokenizer's chat
-  template, packed, targets masked to the assistant's tokens. The trainer divides the summed
-  loss by the number of trained targets in the global batch, so each assistant token counts
-  the same however many share its micro-batch.
+* the model `sft.init_from` names — a training run (its `final/`), a Hugging Face directory,
+  a `.gguf` file or an alias such as `smollm2` — with that checkpoint's own `ModelConfig`,
+  instead of a random init from a `model` section;
+* loaders of chat JSONL files (`posttrain.data`): rendered with the tokenizer's chat template,
+  packed, targets masked to the assistant's tokens. The trainer divides the summed loss by the
+  number of trained targets in the global batch, so each assistant token counts the same
+  however many share its micro-batch.
 
 The export (`out_dir/final`) carries the tokenizer and chat template, and its config.json
 lists as `eos_token_id` the tokenizer's stop ids plus the special tokens that ended assistant
@@ -21,6 +21,7 @@ tokenizer does not remember extra stop ids, config.json does), so `tokenmind cha
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import warnings
@@ -32,9 +33,10 @@ from tokenmind.model.transformer import Transformer
 from tokenmind.pretrained import Pretrained, load_pretrained, resolve_model_path
 from tokenmind.tokenizer import Tokenizer
 from tokenmind.train.config import OptimSection, ScheduleSection, TrainSection, check_schedule_fits, load_config
-from tokenmind.train.trainer import Trainer, TrainResult
+from tokenmind.train.distributed import DistContext, init_distributed
+from tokenmind.train.trainer import Trainer, TrainResult, loader_config
 
-from .data import ChatLoader, expand_files, pack, prepare_chat_data, read_conversations
+from .data import ChatData, ChatLoader, expand_files, pack, prepare_chat_data, read_conversations
 
 
 @dataclass
@@ -132,63 +134,64 @@ def load_start(sft: SFTSection) -> Pretrained:
     return load_pretrained(path)
 
 
-class SFTTrainer(Trainer):
-    """The pre-training `Trainer` fed with packed chats and started from `cfg.sft.init_from`."""
+def chat_data(data: ChatDataSection, start: Pretrained) -> ChatData:
+    """The conversations of data.files rendered with the start's tokenizer, checked against its model."""
+    model_cfg, tokenizer = start.model.cfg, start.tokenizer
+    if data.seq_len > model_cfg.max_position_embeddings:
+        raise ValueError(f"data.seq_len={data.seq_len} exceeds the model's max_position_embeddings="
+                         f"{model_cfg.max_position_embeddings}; lower --data.seq_len")
+    if tokenizer.vocab_size > model_cfg.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model only {model_cfg.vocab_size} "
+                         "embeddings; use the tokenizer the model was trained with (--sft.tokenizer)")
+    tokenizer.get_chat_template()  # fails now, naming the fix, if there is none
+    if not data.files:
+        raise ValueError("data.files is not set; pass --data.files=PATH (chat JSONL files, a folder or a glob)")
+    files = expand_files(data.files)
+    chats = prepare_chat_data(tokenizer, read_conversations(files), data.seq_len, data.val_fraction, data.seed)
+    chats.stats = {"files": [str(f) for f in files], **chats.stats}
+    return chats
 
-    cfg: SFTConfig
 
-    def __init__(self, cfg: SFTConfig) -> None:
-        self.start = load_start(cfg.sft)  # the data needs its tokenizer, the base trainer its model
-        super().__init__(cfg)
+def chat_loaders(chats: ChatData, data: ChatDataSection, ctx: DistContext) -> tuple[ChatLoader, ChatLoader | None]:
+    """This rank's train loader and val loader (None without val conversations); a val split too
+    small for one batch of data.batch_size rows is evaluated in smaller ones."""
+    loader = ChatLoader(chats.train, loader_config(data, ctx, data.seed, data.shuffle))
+    if not chats.val:
+        return loader, None
+    rows = len(pack([len(e.inputs) for e in chats.val], data.seq_len)) // ctx.world_size
+    val_cfg = dataclasses.replace(loader_config(data, ctx, 0, False), batch_size=max(1, min(data.batch_size, rows)))
+    return loader, ChatLoader(chats.val, val_cfg)
 
-    def _build_data(self) -> None:
-        data, model_cfg, tokenizer = self.cfg.data, self.start.model.cfg, self.start.tokenizer
-        if data.seq_len > model_cfg.max_position_embeddings:
-            raise ValueError(f"data.seq_len={data.seq_len} exceeds the model's max_position_embeddings="
-                             f"{model_cfg.max_position_embeddings}; lower --data.seq_len")
-        if tokenizer.vocab_size > model_cfg.vocab_size:
-            raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model only {model_cfg.vocab_size} "
-                             "embeddings; use the tokenizer the model was trained with (--sft.tokenizer)")
-        tokenizer.get_chat_template()  # fails now, naming the fix, if there is none
-        if not data.files:
-            raise ValueError("data.files is not set; pass --data.files=PATH (chat JSONL files, a folder or a glob)")
-        files = expand_files(data.files)
-        chats = prepare_chat_data(tokenizer, read_conversations(files), data.seq_len, data.val_fraction, data.seed)
-        self.turn_end_ids = chats.turn_end_ids
-        self.loader = ChatLoader(chats.train, self._loader_config(data.seed, data.shuffle))
-        self.val_loader = None
-        if chats.val:  # a val split too small for one batch is evaluated in smaller ones
-            rows = len(pack([len(e.inputs) for e in chats.val], data.seq_len)) // self.ctx.world_size
-            val_cfg = dataclasses.replace(self._loader_config(0, False), batch_size=max(1, min(data.batch_size, rows)))
-            self.val_loader = ChatLoader(chats.val, val_cfg)
-            self.val_start = self.val_loader.state_dict()
-        self.data_stats = {"files": [str(f) for f in files], **chats.stats, "train_rows": len(self.loader.rows),
-                           "val_rows": len(self.val_loader.rows) if self.val_loader else 0,
-                           "packing_efficiency": chats.stats["train_tokens"] / (len(self.loader.rows) * data.seq_len)}
-        if self.ctx.is_main:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            (self.out_dir / "sft_data.json").write_text(json.dumps(self.data_stats, indent=2) + "\n")
-        if chats.stats["truncated"]:
-            warnings.warn(f"{chats.stats['truncated']} of {chats.stats['conversations']} conversations are longer "
-                          f"than data.seq_len={data.seq_len} and were truncated (see {self.out_dir / 'sft_data.json'})")
 
-    def _build_model(self) -> Transformer:
-        model = self.start.model
-        stops = self.start.tokenizer.eos_token_ids | self.turn_end_ids
-        declared = model.cfg.extra.get("eos_token_id")
-        stops.update([declared] if isinstance(declared, int) else declared or [])
-        if stops:  # exported in config.json, where `Tokenizer.from_pretrained` reads stop ids
-            model.cfg.extra["eos_token_id"] = sorted(stops) if len(stops) > 1 else stops.pop()
-        return model
+def add_stop_ids(model: Transformer, stops: set[int]) -> None:
+    """Declare `stops` (and the ids the model declares already) as eos_token_id in the model's
+    config, which the export writes to config.json, where `Tokenizer.from_pretrained` reads stop ids."""
+    declared = model.cfg.extra.get("eos_token_id")
+    stops = stops | set([declared] if isinstance(declared, int) else declared or [])
+    if stops:
+        model.cfg.extra["eos_token_id"] = sorted(stops) if len(stops) > 1 else stops.pop()
 
-    def _tokenizer(self) -> Tokenizer:
-        return self.start.tokenizer
+
+def build_sft_trainer(cfg: SFTConfig, ctx: DistContext) -> Trainer:
+    """The `Trainer` of an SFT run: chat loaders and the model `cfg.sft.init_from` names, for
+    next-token loss on assistant tokens. Writes the data's statistics to out_dir/sft_data.json."""
+    start = load_start(cfg.sft)
+    data, out_dir = cfg.data, Path(cfg.train.out_dir)
+    chats = chat_data(data, start)
+    loader, val_loader = chat_loaders(chats, data, ctx)
+    stats = {**chats.stats, "train_rows": len(loader.rows), "val_rows": len(val_loader.rows) if val_loader else 0,
+             "packing_efficiency": chats.stats["train_tokens"] / (len(loader.rows) * data.seq_len)}
+    if ctx.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "sft_data.json").write_text(json.dumps(stats, indent=2) + "\n")
+    if stats["truncated"]:
+        warnings.warn(f"{stats['truncated']} of {stats['conversations']} conversations are longer than "
+                      f"data.seq_len={data.seq_len} and were truncated (see {out_dir / 'sft_data.json'})")
+    add_stop_ids(start.model, start.tokenizer.eos_token_ids | chats.turn_end_ids)
+    return Trainer(cfg, ctx, start.model, loader, val_loader, tokenizer=start.tokenizer)
 
 
 def sft(cfg: SFTConfig) -> TrainResult:
     """Fine-tune (or resume) the run `cfg` describes; the library entry point behind `tokenmind sft`."""
-    trainer = SFTTrainer(cfg)
-    try:
-        return trainer.train()
-    finally:
-        trainer.close()
+    with contextlib.closing(init_distributed(cfg.train.distributed, cfg.train.device)) as ctx:
+        return build_sft_trainer(cfg, ctx).train()

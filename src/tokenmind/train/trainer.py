@@ -1,44 +1,50 @@
-"""The pre-training loop: `pretrain(cfg)` turns token shards into a trained, exported model.
+"""The training loop: `Trainer` minimizes an objective over a loader's batches; `pretrain(cfg)`
+turns token shards into a trained, exported model with it.
 
 `Trainer` owns everything a run's continuation depends on — model, optimizer, LR scheduler,
 data loader, step counter — so a checkpoint of exactly those, plus RNG states, makes a resumed
 run retrace the uninterrupted one's loss curve. One optimizer step:
 
-1. grad_accum micro-batches, each: forward (under bf16 autocast if configured; parameters stay
-   fp32, so they are the master weights and the optimizer never sees bf16), summed next-token
-   cross-entropy in fp32 divided by the number of trained targets in the whole global batch,
-   backward. So every trained target weighs the same, however they spread over micro-batches
-   and ranks: with packed pre-training rows that is all of them (the plain mean), with SFT
-   only the assistant tokens (the others are `IGNORE_INDEX`). Under DDP/FSDP gradients are
-   synchronized only on the last micro-batch.
-2. Global gradient norm, measured before clipping (the logged number) and clipped.
-3. A NaN/inf loss or norm stops the run *before* the update with `TrainingDiverged`; no
+1. grad_accum micro-batches, each: the objective's loss summed over the batch's units
+   (`objectives.py`; the forward under bf16 autocast if configured, while parameters stay fp32,
+   so they are the master weights and the optimizer never sees bf16), backward. Under DDP/FSDP
+   gradients are synchronized only on the last micro-batch.
+2. The gradients are divided by the number of units in the whole global batch, so every unit
+   weighs the same however they spread over micro-batches and ranks: with next-token loss on
+   packed pre-training rows that is the plain mean over targets, with SFT the mean over the
+   assistant tokens (the others are `IGNORE_INDEX`).
+3. Global gradient norm, measured before clipping (the logged number) and clipped.
+4. A NaN/inf loss or norm stops the run *before* the update with `TrainingDiverged`; no
    checkpoint is written after that, so the newest one on disk is the last good state.
-4. Optimizer step, then the scheduler sets the next step's lr.
+5. Optimizer step, then the scheduler sets the next step's lr.
 
 Around that: validation loss every eval_every steps and at the end, checkpoints every
-checkpoint_every steps and at the end, metrics to JSONL, and finally the model exported as a
-Hugging Face directory (`out_dir/final`) and the loss curve as `out_dir/loss.png`.
+checkpoint_every steps and at the end, metrics to JSONL (the objective's extra metrics next to
+the loss, as per-unit means too), and finally the model exported as a Hugging Face directory
+(`out_dir/final`) and the loss curve as `out_dir/loss.png`.
 
-Where batches come from and how the model starts are two methods, `_build_data` and
-`_build_model`: pre-training reads token shards into a randomly initialized model; a subclass
-(SFT in `tokenmind.posttrain`) supplies chat batches and pretrained weights and reuses the rest.
+The Trainer is handed what it trains — model, loaders, objective, tokenizer — and does not
+care where they come from or what fields a batch has. `build_pretrainer` gives it packed
+token-shard loaders and a randomly initialized model; SFT (`tokenmind.posttrain.sft`) gives it
+chat loaders and a pretrained model; both train the `NextTokenObjective`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
+import operator
 import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from tokenmind.data.loader import Batch, LoaderConfig, PackedLoader
+from tokenmind.data.loader import LoaderConfig, PackedLoader
 from tokenmind.data.shards import TokenShards
 from tokenmind.model.checkpoint import save_hf_dir
 from tokenmind.model.transformer import Transformer
@@ -46,6 +52,7 @@ from tokenmind.model.transformer import Transformer
 from .checkpoint import TrainingState, capture_rng, latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
 from .config import RunConfig, save_resolved
 from .distributed import (
+    DistContext,
     clip_grad_norm,
     grad_sync,
     init_distributed,
@@ -56,19 +63,33 @@ from .distributed import (
     wrap_model,
 )
 from .metrics import MetricsLogger, default_peak_flops, flops_per_token, mfu, plot_loss
+from .objectives import LossTerms, NextTokenObjective, Objective
 from .optim import build_optimizer
 from .schedule import build_scheduler
+
+if TYPE_CHECKING:
+    from tokenmind.tokenizer import Tokenizer
 
 
 class TrainingDiverged(RuntimeError):
     """The loss or gradient norm became NaN/inf; the newest checkpoint is the last good state."""
 
 
+class Loader(Protocol):
+    """What the Trainer needs of a loader: endless batches (anything with `.to(device)` that the
+    objective takes) and its exact position, saved in checkpoints. A validation loader also has
+    `batches_per_epoch`, the batches of one pass over its data."""
+
+    def __next__(self) -> Any: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
 @dataclass
 class TrainResult:
-    """What a `pretrain` call did. losses: the train loss of every step this call ran (after a
-    resume, only the resumed steps); tokens_per_s/mfu: averaged over this call's steps after
-    the first (which pays one-off costs), global over all ranks."""
+    """What a `Trainer.train` call did. losses: the train loss of every step this call ran
+    (after a resume, only the resumed steps); tokens_per_s/mfu: averaged over this call's steps
+    after the first (which pays one-off costs), global over all ranks."""
 
     steps: int
     tokens_seen: int
@@ -84,38 +105,6 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
 
 
-def autocast(device: torch.device, precision: str):
-    """bf16 autocast for matmuls (weights stay fp32) or a no-op for fp32."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
-
-
-IGNORE_INDEX = -100  # a target with this id is not trained on (F.cross_entropy's default ignore_index)
-
-
-def token_loss(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor, docs: torch.Tensor,
-               positions: torch.Tensor, precision: str, reduction: str = "mean") -> torch.Tensor:
-    """Cross-entropy of `targets` given `ids` (mean or sum over the targets that are not
-    IGNORE_INDEX), attention kept within each packed document. The logits are upcast so the
-    softmax and loss are computed in fp32. The unit `train.compile` compiles: with the loss
-    inside the graph the compiler fuses the upcast, log-softmax and gather over the vocabulary."""
-    with autocast(ids.device, precision):
-        logits = model(ids, positions, document_ids=docs)
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
-                           reduction=reduction)
-
-
-def next_token_loss(model: nn.Module, batch: Batch, device: torch.device, precision: str,
-                    reduction: str = "mean", loss_fn=token_loss) -> torch.Tensor:
-    """`token_loss` (or a compiled `loss_fn` of it) of a loader `Batch`, moved to `device`."""
-    ids, targets, docs, positions = (t.to(device, non_blocking=True) for t in batch)
-    return loss_fn(model, ids, targets, docs, positions, precision, reduction)
-
-
-def trained_targets(batch: Batch) -> int:
-    """How many targets of `batch` carry loss."""
-    return int((batch.targets != IGNORE_INDEX).sum())
-
-
 def seed_everything(seed: int) -> None:
     """Seed the global RNGs (torch, python, numpy) that any code in a step might draw from."""
     torch.manual_seed(seed)
@@ -124,28 +113,30 @@ def seed_everything(seed: int) -> None:
 
 
 class Trainer:
-    """Builds the run from a `RunConfig` (resuming from out_dir's newest checkpoint when
-    train.resume) and trains it with `train()`. Call `close()` when done (`pretrain` does)."""
+    """Trains `model` on `loader`'s batches by minimizing `objective`, as cfg's optim, schedule and
+    train sections say (data.batch_size and data.seq_len count the tokens of a step), resuming
+    from out_dir's newest checkpoint when train.resume.
 
-    def __init__(self, cfg: RunConfig) -> None:
-        self.cfg = cfg
-        self.ctx = init_distributed(cfg.train.distributed, cfg.train.device)
-        try:
-            self._build()
-        except BaseException:
-            self.ctx.close()
-            raise
+    ctx: the process group the loaders were built for (`init_distributed`); its creator closes it.
+    model: the starting weights, on CPU in fp32. val_loader: evaluated from the position it has
+    now, every time. objective: what a batch's loss is (default: `NextTokenObjective`, which
+    takes `TokenBatch`es). tokenizer: saved with the exported model, so the export chats as is.
+    """
 
-    def _build(self) -> None:
-        cfg, t, ctx = self.cfg, self.cfg.train, self.ctx
+    def __init__(self, cfg: RunConfig, ctx: DistContext, model: Transformer, loader: Loader,
+                 val_loader: Loader | None = None, objective: Objective | None = None,
+                 tokenizer: Tokenizer | None = None) -> None:
+        t = cfg.train
+        self.cfg, self.ctx, self.tokenizer = cfg, ctx, tokenizer
         self.out_dir = Path(t.out_dir)
         self.checkpoint_root = self.out_dir / "checkpoints"
-        self._build_data()
+        self.loader, self.val_loader = loader, val_loader
+        self.val_start = val_loader.state_dict() if val_loader is not None else None
+        self.objective = objective if objective is not None else NextTokenObjective()  # eval runs it eagerly
+        self.train_objective = self.objective.compiled() if t.compile else self.objective
         seed_everything(t.seed + ctx.rank)
-        model = self._build_model()
         model.gradient_checkpointing = t.gradient_checkpointing
         model.to(ctx.device)
-        self.loss_fn = torch.compile(token_loss) if t.compile else token_loss
         self.model = model  # the module whose state we save (sharded in place under fsdp)
         self.wrapped = wrap_model(model, ctx)  # the module we call in training
         self.params = list(model.parameters())
@@ -164,38 +155,6 @@ class Trainer:
                 raise FileExistsError(f"{self.checkpoint_root} already has checkpoints (newest: {latest.name}); "
                                       "pass --train.resume=true to continue that run or choose a new --train.out_dir")
             self._restore(latest)
-
-    def _build_data(self) -> None:
-        """Set `self.loader` (train batches), `self.val_loader` (None or a loader that
-        `evaluate` rewinds to `self.val_start`), both yielding `Batch`es and saving their
-        position with state_dict/load_state_dict; here: packed token shards."""
-        cfg = self.cfg
-        if not cfg.data.shards:
-            raise ValueError("data.shards is not set; pass --data.shards=DIR (a token-shard folder with a manifest.json)")
-        train_shards = TokenShards(cfg.data.shards, "train")
-        if train_shards.vocab_size > cfg.model.vocab_size:
-            raise ValueError(f"the shards use token ids up to {train_shards.vocab_size - 1} but model.vocab_size="
-                             f"{cfg.model.vocab_size}; set --model.vocab_size={train_shards.vocab_size} (or more)")
-        self.loader = PackedLoader(train_shards, self._loader_config(cfg.data.seed, cfg.data.shuffle))
-        self.val_loader: PackedLoader | None = None  # every evaluation rewinds it to its first batch
-        if "val" in train_shards.manifest["splits"]:  # built now so a too-small split fails before training
-            try:
-                self.val_loader = PackedLoader(TokenShards(cfg.data.shards, "val"),
-                                               self._loader_config(seed=0, shuffle=False))
-            except ValueError as e:
-                raise ValueError(f"val split: {e}; hold out more tokens for val or lower data.batch_size") from e
-            self.val_start = self.val_loader.state_dict()
-
-    def _build_model(self) -> Transformer:
-        """The model training starts from (on CPU, fp32); here: cfg.model, randomly initialized."""
-        model = Transformer(self.cfg.model)
-        model.init_weights(self.cfg.train.init_std, torch.Generator().manual_seed(self.cfg.train.seed))  # rank-equal
-        return model
-
-    def _loader_config(self, seed: int, shuffle: bool) -> LoaderConfig:
-        data = self.cfg.data
-        return LoaderConfig(batch_size=data.batch_size, seq_len=data.seq_len, seed=seed, shuffle=shuffle,
-                            rank=self.ctx.rank, world_size=self.ctx.world_size)
 
     # ---- checkpoints -----------------------------------------------------------------------------
 
@@ -221,48 +180,57 @@ class Trainer:
 
     # ---- the loop --------------------------------------------------------------------------------
 
-    def train_step(self) -> tuple[float, float, float]:
-        """One optimizer step over the global batch; returns (loss, pre-clip grad norm, lr used)."""
-        t, device = self.cfg.train, self.ctx.device
-        batches = [next(self.loader) for _ in range(t.grad_accum)]
-        # DDP/FSDP average gradients over ranks, so each rank divides by the per-rank mean count.
-        count = self.ctx.mean(torch.tensor(float(sum(map(trained_targets, batches))), device=device))
-        total = torch.zeros((), device=device)
-        for micro, batch in enumerate(batches):
+    def _per_unit(self, terms: LossTerms) -> tuple[float, dict[str, float]]:
+        """(units per rank, averaged over ranks; the loss and metrics per unit of the global
+        batch) from this rank's summed `terms`, in one all-reduce."""
+        sums = [terms.loss, terms.count, *terms.metrics.values()]
+        loss, count, *metrics = self.ctx.mean(torch.stack(
+            [torch.as_tensor(s, dtype=torch.float32, device=self.ctx.device) for s in sums])).tolist()
+        return count, {"loss": loss / count, **{name: m / count for name, m in zip(terms.metrics, metrics)}}
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step over the global batch; returns the loss and the objective's metrics
+        (per unit), then the lr used and the pre-clip gradient norm."""
+        t = self.cfg.train
+        total = None
+        for micro in range(t.grad_accum):
+            batch = next(self.loader).to(self.ctx.device)
             with grad_sync(self.wrapped, enabled=micro == t.grad_accum - 1):
-                loss = next_token_loss(self.wrapped, batch, device, t.precision, "sum", self.loss_fn) / count
-                loss.backward()
-            total += loss.detach()
+                terms = self.train_objective(self.wrapped, batch, t.precision)
+                terms.loss.backward()
+            total = terms.detach() if total is None else total + terms.detach()
+        count, stats = self._per_unit(total)
+        for p in self.params:  # DDP/FSDP averaged the ranks' gradients, so divide by the per-rank mean count
+            if p.grad is not None:
+                p.grad.div_(count)
         grad_norm = float(clip_grad_norm(self.params, self.cfg.optim.grad_clip))
-        loss = float(self.ctx.mean(total))
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        if not (math.isfinite(stats["loss"]) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
             last = latest_checkpoint(self.checkpoint_root)
             raise TrainingDiverged(
-                f"loss is {loss} (gradient norm {grad_norm}) at step {self.step + 1}; stopped before applying "
-                f"that update. Last good checkpoint: {last or 'none (no checkpoint saved yet)'}. Lower optim.lr, "
-                "raise schedule.warmup_steps or set optim.grad_clip, then rerun with train.resume=true")
+                f"loss is {stats['loss']} (gradient norm {grad_norm}) at step {self.step + 1}; stopped before "
+                f"applying that update. Last good checkpoint: {last or 'none (no checkpoint saved yet)'}. Lower "
+                "optim.lr, raise schedule.warmup_steps or set optim.grad_clip, then rerun with train.resume=true")
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return loss, grad_norm, lr
+        return {**stats, "lr": lr, "grad_norm": grad_norm}
 
     @torch.no_grad()
-    def evaluate(self) -> float | None:
-        """Mean loss per trained target over the first eval_batches batches of the val split (the
-        same batches every time, so values are comparable across steps); None without a val split."""
+    def evaluate(self) -> dict[str, float] | None:
+        """The loss and the objective's metrics per unit over the first eval_batches batches of the
+        val loader (the same batches every time, so values are comparable across steps); None
+        without a val loader."""
         if self.val_loader is None:
             return None
         self.val_loader.load_state_dict(self.val_start)
-        batches = [next(self.val_loader) for _ in range(min(self.cfg.train.eval_batches,
-                                                                self.val_loader.batches_per_epoch))]
+        batches = min(self.cfg.train.eval_batches, self.val_loader.batches_per_epoch)
         self.model.eval()
-        total = sum(next_token_loss(self.model, batch, self.ctx.device, self.cfg.train.precision, reduction="sum")
-                    for batch in batches)
+        terms = [self.objective(self.model, next(self.val_loader).to(self.ctx.device), self.cfg.train.precision)
+                 for _ in range(batches)]
         self.model.train()
-        count = torch.tensor(float(sum(map(trained_targets, batches))), device=self.ctx.device)
-        return float(self.ctx.mean(total) / self.ctx.mean(count))
+        return self._per_unit(functools.reduce(operator.add, terms))[1]
 
     def export(self) -> Path:
         """Write the trained model as a Hugging Face directory `out_dir/final` (rank 0)."""
@@ -273,17 +241,8 @@ class Trainer:
             if self.ctx.strategy == "fsdp":  # parameters are shards; build a whole copy
                 model = Transformer(self.model.cfg)
                 model.load_state_dict(state)
-            save_hf_dir(model, path, tokenizer=self._tokenizer())
+            save_hf_dir(model, path, tokenizer=self.tokenizer)
         return path
-
-    def _tokenizer(self):
-        """The tokenizer named in data.tokenizer, saved with the model so the export chats as is."""
-        if not self.cfg.data.tokenizer:
-            return None
-        from tokenmind.pretrained import resolve_model_path
-        from tokenmind.tokenizer import Tokenizer
-
-        return Tokenizer.from_pretrained(resolve_model_path(self.cfg.data.tokenizer))
 
     def train(self) -> TrainResult:
         """Train from the current step to train.steps; see the module docstring."""
@@ -300,23 +259,23 @@ class Trainer:
         try:
             while self.step < t.steps:
                 tick = time.perf_counter()
-                loss, grad_norm, lr = self.train_step()
+                stats = self.train_step()
                 seconds = time.perf_counter() - tick
                 self.step += 1
                 self.tokens_seen += self.tokens_per_step
-                losses.append(loss)
+                losses.append(stats["loss"])
                 if len(losses) > 1 or self.step == t.steps:  # the first step pays warm-up costs
                     timed_tokens, timed_seconds = timed_tokens + self.tokens_per_step, timed_seconds + seconds
                 if self.step % t.log_every == 0 or self.step == t.steps:
                     speed = self.tokens_per_step / seconds
-                    logger.log({"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                                "tokens_per_s": speed,
+                    logger.log({"step": self.step, **stats, "tokens_per_s": speed,
                                 "mfu": mfu(speed, self.flops_per_token, self.peak_flops, ctx.world_size),
                                 "tokens": self.tokens_seen, "elapsed": time.perf_counter() - started})
                 if (t.eval_every and self.step % t.eval_every == 0) or self.step == t.steps:
-                    val_loss = self.evaluate()
-                    if val_loss is not None:
-                        logger.log({"step": self.step, "val_loss": val_loss,
+                    val = self.evaluate()
+                    if val is not None:
+                        val_loss = val["loss"]
+                        logger.log({"step": self.step, **{f"val_{name}": v for name, v in val.items()},
                                     "elapsed": time.perf_counter() - started})
                 if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or self.step == t.steps:
                     checkpoint = self.save()
@@ -334,15 +293,50 @@ class Trainer:
             out_dir=self.out_dir, metrics_path=metrics_path, plot_path=plot_path,
             checkpoint_path=checkpoint, final_model_path=final_model, losses=losses)
 
-    def close(self) -> None:
-        """Leave the process group if this trainer created it."""
-        self.ctx.close()
+
+# ---- pre-training ------------------------------------------------------------------------------
+
+
+def loader_config(data: Any, ctx: DistContext, seed: int, shuffle: bool) -> LoaderConfig:
+    """This rank's `LoaderConfig` for a data section's batch_size and seq_len."""
+    return LoaderConfig(batch_size=data.batch_size, seq_len=data.seq_len, seed=seed, shuffle=shuffle,
+                        rank=ctx.rank, world_size=ctx.world_size)
+
+
+def load_tokenizer(name: str) -> Tokenizer | None:
+    """The tokenizer `name` names (dir, .gguf or alias), or None for an empty name."""
+    if not name:
+        return None
+    from tokenmind.pretrained import resolve_model_path
+    from tokenmind.tokenizer import Tokenizer
+
+    return Tokenizer.from_pretrained(resolve_model_path(name))
+
+
+def build_pretrainer(cfg: RunConfig, ctx: DistContext) -> Trainer:
+    """The `Trainer` of a pre-training run: packed loaders over data.shards (validation on their
+    val split, when there is one) and cfg.model, randomly initialized, for next-token loss."""
+    data = cfg.data
+    if not data.shards:
+        raise ValueError("data.shards is not set; pass --data.shards=DIR (a token-shard folder with a manifest.json)")
+    train_shards = TokenShards(data.shards, "train")
+    if train_shards.vocab_size > cfg.model.vocab_size:
+        raise ValueError(f"the shards use token ids up to {train_shards.vocab_size - 1} but model.vocab_size="
+                         f"{cfg.model.vocab_size}; set --model.vocab_size={train_shards.vocab_size} (or more)")
+    loader = PackedLoader(train_shards, loader_config(data, ctx, data.seed, data.shuffle))
+    val_loader = None
+    if "val" in train_shards.manifest["splits"]:  # built now so a too-small split fails before training
+        try:
+            val_loader = PackedLoader(TokenShards(data.shards, "val"), loader_config(data, ctx, seed=0, shuffle=False))
+        except ValueError as e:
+            raise ValueError(f"val split: {e}; hold out more tokens for val or lower data.batch_size") from e
+    model = Transformer(cfg.model)
+    model.init_weights(cfg.train.init_std, torch.Generator().manual_seed(cfg.train.seed))  # equal on every rank
+    return Trainer(cfg, ctx, model, loader, val_loader, tokenizer=load_tokenizer(data.tokenizer))
 
 
 def pretrain(cfg: RunConfig) -> TrainResult:
     """Train (or resume) the run `cfg` describes; the library entry point behind `tokenmind train`."""
-    trainer = Trainer(cfg)
-    try:
-        return trainer.train()
-    finally:
-        trainer.close()
+    with contextlib.closing(init_distributed(cfg.train.distributed, cfg.train.device)) as ctx:
+        return build_pretrainer(cfg, ctx).train()
+
