@@ -1,8 +1,8 @@
 """Batch-1 prefill and decode speed on SmolLM2-135M: tokenmind (fp32, int8, int4) vs `transformers`
 (fp32) vs llama.cpp, all on the same GGUF file.
 
-- tokenmind fp32: the GGUF dequantized to float32 (`load_pretrained(path)`).
-- tokenmind int8 / int4: `load_pretrained(path, quantize=...)`; int4 copies the file's Q4_1 blocks
+- tokenmind fp32: the GGUF dequantized to float32 (`load_model(path)`).
+- tokenmind int8 / int4: `load_model(path, quantize=...)`; int4 copies the file's Q4_1 blocks
   into PyTorch's int4 kernel unchanged, so it runs the very weights llama.cpp runs.
 - transformers: `from_pretrained(gguf_file=...)` in float32, `generate` greedy.
 - llama.cpp: `llama-cpp-python` on the file as shipped (Q4_1, Q8_0 embedding), in its own venv
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from tokenmind.engine.llm import LLM
     from tokenmind.engine.sampling import SamplingParams
-    from tokenmind.pretrained import load_pretrained, resolve_model_path
+    from tokenmind.model.load import load_model, resolve_model_path
 
     path = resolve_model_path(args.model)
     load_s: dict[str, float] = {}
@@ -55,9 +55,9 @@ def main(argv: list[str] | None = None) -> dict:
     for scheme in ("fp32", "int8", "int4"):
         if scheme in sides:
             t0 = time.perf_counter()
-            ours[scheme] = load_pretrained(path, quantize=None if scheme == "fp32" else scheme)
+            ours[scheme] = load_model(path, quantize=None if scheme == "fp32" else scheme)
             load_s[f"tokenmind_{scheme}"] = time.perf_counter() - t0
-    any_ours = ours[next(iter(ours))] if ours else load_pretrained(path)
+    any_ours = ours[next(iter(ours))] if ours else load_model(path)
 
     gen = torch.Generator().manual_seed(0)
     long_prompt = torch.randint(100, any_ours.model.cfg.vocab_size, (1, args.prompt_len), generator=gen)

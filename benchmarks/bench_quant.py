@@ -183,10 +183,10 @@ def main() -> None:
     from tokenmind.engine.llm import LLM
     from tokenmind.engine.sampling import SamplingParams
     from tokenmind.model.quant import weight_bytes
-    from tokenmind.pretrained import Pretrained, load_pretrained, resolve_model_path
+    from tokenmind.model.load import Pretrained, load_model, resolve_model_path
 
     path = resolve_model_path(args.model)
-    pretrained = load_pretrained(path)
+    pretrained = load_model(path)
     tokenizer = pretrained.tokenizer
     models, build_s = build_variants(names, pretrained, path)
 

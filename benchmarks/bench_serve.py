@@ -119,7 +119,7 @@ def start_tokenmind(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
 
 def start_llamacpp(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     """llama.cpp's OpenAI server on the same GGUF, with as many threads as torch uses here."""
-    from tokenmind.pretrained import resolve_model_path
+    from tokenmind.model.load import resolve_model_path
 
     import torch
 

@@ -113,9 +113,9 @@ def main() -> None:
     from tokenmind.engine.llm import LLM
     from tokenmind.engine.sampling import SamplingParams
     from tokenmind.engine.speculative import SpeculativeConfig
-    from tokenmind.pretrained import load_pretrained
+    from tokenmind.model.load import load_model
 
-    pre = load_pretrained(args.model, dtype=torch.float32)
+    pre = load_model(args.model, dtype=torch.float32)
     model, tok = pre.model, pre.tokenizer
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     ks = [int(k) for k in args.ks.split(",") if k]

@@ -105,10 +105,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args(argv)
 
-    from tokenmind.pretrained import load_pretrained, resolve_model_path
+    from tokenmind.model.load import load_model, resolve_model_path
 
     path = resolve_model_path(args.model)
-    ours = load_pretrained(path, dtype=args.dtype)
+    ours = load_model(path, dtype=args.dtype)
     reqs = make_requests(args.requests, ours.model.cfg.vocab_size, args.seed)
     result = {"benchmark": "throughput", "model": path.name, "dtype": args.dtype, "requests": len(reqs),
               "prompt_tokens": sum(len(p) for p, _ in reqs), "output_tokens": sum(n for _, n in reqs),
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
     result["tokenmind"]["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
     if args.quantize:
         del ours
-        quant = load_pretrained(path, quantize=args.quantize)
+        quant = load_model(path, quantize=args.quantize)
         result[f"tokenmind_{args.quantize}"] = run_tokenmind(quant, reqs, args.kv_cache_mb * 2**20)
         del quant
     if not args.skip_hf:

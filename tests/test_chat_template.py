@@ -8,6 +8,7 @@ from pathlib import Path
 import jinja2
 import pytest
 
+from tokenmind.model.load import load_tokenizer
 from tokenmind.tokenizer import ChatTemplateError, Tokenizer, render_template
 
 transformers = pytest.importorskip("transformers")
@@ -39,7 +40,7 @@ GENERATION_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def ours() -> Tokenizer:
-    return Tokenizer.from_pretrained(GGUF)
+    return load_tokenizer(GGUF)
 
 
 @pytest.fixture(scope="module")

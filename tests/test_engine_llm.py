@@ -14,7 +14,7 @@ from tokenmind.engine.sampling import SamplingParams
 from tokenmind.model.config import ModelConfig
 from tokenmind.model.paged_attention import PagedKVCache
 from tokenmind.model.transformer import Transformer
-from tokenmind.pretrained import Pretrained, load_pretrained
+from tokenmind.model.load import Pretrained, load_model
 
 
 def tiny_model(vocab=64, context=64):
@@ -327,7 +327,7 @@ def test_llm_generate_text_prompts_in_order():
 
 @pytest.mark.slow
 def test_smollm2_batched_equals_naive_decoding_and_stops_on_a_string():
-    pretrained = load_pretrained("smollm2")
+    pretrained = load_model("smollm2")
     llm = LLM(pretrained, max_num_seqs=4, kv_cache_bytes=32 << 20)
     tok = pretrained.tokenizer
     prompts = ["The capital of France is", "def fibonacci(n):"]

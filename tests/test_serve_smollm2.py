@@ -4,14 +4,14 @@ import openai
 import pytest
 from test_serve_fixtures import LiveServer
 
-from tokenmind.pretrained import load_pretrained
+from tokenmind.model.load import load_model
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("quantize", [None, "int4"])
 def test_the_capital_of_france_is_paris(quantize):
-    pretrained = load_pretrained("smollm2", quantize=quantize)
+    pretrained = load_model("smollm2", quantize=quantize)
     with LiveServer(pretrained, served_model_name="smollm2", kv_cache_bytes=256 * 2**20) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         messages = [{"role": "user", "content": "What is the capital of France?"}]

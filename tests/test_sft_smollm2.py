@@ -12,7 +12,7 @@ from test_train_helpers import one_thread  # noqa: F401 (autouse fixture)
 from tokenmind.chat import ChatSession
 from tokenmind.engine.sampling import SamplingParams
 from tokenmind.posttrain import load_sft_config, sft
-from tokenmind.pretrained import load_pretrained
+from tokenmind.model.load import load_model
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +39,7 @@ def test_a_few_sft_steps_on_smollm2_lower_the_loss_and_export_a_chat_model(tmp_p
     assert len(result.losses) == 2 and all(0 < loss < 10 for loss in result.losses)
     assert result.losses[-1] < result.losses[0]
 
-    tuned = load_pretrained(result.final_model_path)
+    tuned = load_model(result.final_model_path)
     assert tuned.model.cfg.num_hidden_layers == 30 and tuned.tokenizer.eos_token_ids == {2}  # <|im_end|>
     reply = "".join(ChatSession(tuned, SamplingParams(max_tokens=16, temperature=0)).send(
         "What is the capital of France?"))

@@ -29,7 +29,7 @@ from tokenmind.model.checkpoint import load_hf_dir
 from tokenmind.data.loader import IGNORE_INDEX
 from tokenmind.posttrain import load_sft_config, sft
 from tokenmind.posttrain.sft import load_start
-from tokenmind.pretrained import load_pretrained
+from tokenmind.model.load import load_model
 from tokenmind.train import pretrain, save_resolved
 from tokenmind.train.metrics import read_jsonl
 
@@ -60,7 +60,7 @@ def test_sft_learns_planted_answers_and_the_export_chats_them(setup: tuple[Path,
     assert stats["conversations"] == 96 and stats["val_conversations"] == 10 and stats["truncated"] == 0
     assert stats["packing_efficiency"] > 0.8
 
-    chat_model = load_pretrained(result.final_model_path)  # what `tokenmind chat --model <run>/final` loads
+    chat_model = load_model(result.final_model_path)  # what `tokenmind chat --model <run>/final` loads
     assert chat_model.tokenizer.token_to_id("<|im_end|>") in chat_model.tokenizer.eos_token_ids
     for fruit, color in COLORS.items():
         session = ChatSession(chat_model, SamplingParams(max_tokens=8, temperature=0))
@@ -119,7 +119,7 @@ def test_init_from_a_pretraining_run(setup: tuple[Path, Path], tmp_path: Path) -
     assert all(torch.equal(v, pretrained[k]) for k, v in trainer.model.state_dict().items())
     result = trainer.train()
     assert result.steps == 2 and all(np.isfinite(result.losses))
-    assert load_pretrained(result.final_model_path).model.cfg.vocab_size == tokenizer.vocab_size
+    assert load_model(result.final_model_path).model.cfg.vocab_size == tokenizer.vocab_size
 
 
 def test_missing_pieces_fail_before_training(setup: tuple[Path, Path], tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ from tokenmind.chat import ChatSession, complete
 from tokenmind.cli import main
 from tokenmind.engine.llm import LLM
 from tokenmind.engine.sampling import SamplingParams
-from tokenmind.pretrained import load_pretrained, resolve_model_path, save_pretrained
+from tokenmind.model.load import load_model, resolve_model_path, save_model
 
 pytestmark = pytest.mark.slow
 
@@ -17,7 +17,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 
 @pytest.fixture(scope="module")
 def ours():
-    return load_pretrained("smollm2")
+    return load_model("smollm2")
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,7 @@ def test_completion_streams_text(ours):
 
 
 def test_convert_to_hf_dir_loads_in_transformers(ours, tmp_path):
-    out = save_pretrained(ours, tmp_path / "smol")
+    out = save_model(ours, tmp_path / "smol")
     hf2 = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     tok2 = transformers.AutoTokenizer.from_pretrained(out)
     text = "Hello, world! Ça va?"

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tokenmind.model.gguf import GGUFTokenizer, read_gguf
+from tokenmind.model.gguf import read_gguf
+from tokenmind.tokenizer.gguf_backend import GGUFTokenizer
 from tokenmind.tokenizer import StreamDecoder, Tokenizer
 from tokenmind.tokenizer.gguf_backend import byte_alphabet
 

@@ -148,10 +148,10 @@ def test_bytes_per_token_and_reference_comparison(tok, corpus):
     with pytest.raises(ValueError, match="non-empty"):
         bytes_per_token(tok, [""])
 
-    from tokenmind.pretrained import resolve_model_path
+    from tokenmind.model.load import load_tokenizer
 
     try:
-        reference = Tokenizer.from_pretrained(resolve_model_path("smollm2"))
+        reference = load_tokenizer("smollm2")
     except FileNotFoundError as err:
         pytest.skip(str(err))
     report = compare_bytes_per_token(tok, reference, heldout)

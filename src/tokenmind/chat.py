@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from .engine.llm import LLM
 from .engine.sampling import SamplingParams
 from .engine.speculative import SpeculativeConfig
-from .pretrained import Pretrained, load_pretrained
+from .model.load import Pretrained, load_model
 
 
 def interactive_llm(model: Pretrained, speculative: str | None = None) -> LLM:
@@ -23,7 +23,7 @@ def interactive_llm(model: Pretrained, speculative: str | None = None) -> LLM:
     if speculative == "ngram":
         return LLM(model, max_num_seqs=1, speculative=SpeculativeConfig("ngram"))
     dtype = model.model.embed_tokens.weight.dtype
-    draft = load_pretrained(speculative, dtype=dtype)
+    draft = load_model(speculative, dtype=dtype)
     return LLM(model, draft_model=draft, max_num_seqs=1, speculative=SpeculativeConfig("draft"))
 
 

@@ -45,10 +45,10 @@ def _sampling_params(args):
 
 
 def _load(args):
-    from .pretrained import load_pretrained
+    from .model.load import load_model
 
     t0 = time.perf_counter()
-    pretrained = load_pretrained(args.model, dtype=args.dtype, quantize=args.quantize)
+    pretrained = load_model(args.model, dtype=args.dtype, quantize=args.quantize)
     cfg = pretrained.model.cfg
     print(f"loaded {pretrained.name} ({cfg.model_type}, {cfg.num_parameters / 1e6:.0f}M params"
           f"{', ' + args.quantize if args.quantize else ''}) "
@@ -111,9 +111,9 @@ def cmd_chat(args) -> None:
 
 
 def cmd_convert(args) -> None:
-    from .pretrained import save_pretrained
+    from .model.load import save_model
 
-    out = save_pretrained(_load(args), args.out)
+    out = save_model(_load(args), args.out)
     print(f"wrote Hugging Face model directory {out}")
 
 
@@ -176,9 +176,9 @@ def cmd_data_prepare(args) -> None:
     from .data.dedup import MinHashConfig
     from .data.pipeline import DataPipelineConfig, run_pipeline
     from .data.shards import ShardConfig
-    from .tokenizer import Tokenizer
+    from .model.load import load_tokenizer
 
-    tokenizer = Tokenizer.from_pretrained(_resolve_tokenizer(args.tokenizer))
+    tokenizer = load_tokenizer(args.tokenizer)
     cfg = DataPipelineConfig(near_dedup=MinHashConfig(threshold=args.near_dup_threshold) if args.near_dedup else None,
                              eval_paths=args.eval, shards=ShardConfig(val_fraction=args.val_fraction),
                              num_workers=args.workers)
@@ -198,15 +198,11 @@ def cmd_data_fetch(args) -> None:
 def cmd_tokenizer_train(args) -> None:
     from .tokenizer.train import TokenizerTrainConfig, train_tokenizer
 
-    report = train_tokenizer(TokenizerTrainConfig(data=args.data, out=args.out, vocab_size=args.vocab_size,
-                                                  max_chars=args.max_chars, reference=args.reference or None))
+    from .model.load import load_tokenizer
+
+    cfg = TokenizerTrainConfig(data=args.data, out=args.out, vocab_size=args.vocab_size, max_chars=args.max_chars)
+    report = train_tokenizer(cfg, load_tokenizer(args.reference) if args.reference else None)
     print(json.dumps(report, indent=2))
-
-
-def _resolve_tokenizer(ref: str):
-    from .pretrained import resolve_model_path
-
-    return resolve_model_path(ref)
 
 
 def build_parser() -> argparse.ArgumentParser:

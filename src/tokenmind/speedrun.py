@@ -93,6 +93,7 @@ def speedrun(cfg: SpeedrunConfig) -> Path:
     from .data.fetch import fetch
     from .data.pipeline import DataPipelineConfig, run_pipeline
     from .data.shards import ShardConfig
+    from .model.load import load_tokenizer
     from .tokenizer import Tokenizer
     from .tokenizer.train import TokenizerTrainConfig, train_tokenizer
     from .train import load_config, pretrain
@@ -114,7 +115,7 @@ def speedrun(cfg: SpeedrunConfig) -> Path:
     tok_dir = out / "tokenizer"
     tok_report = stages.run("tokenizer", lambda: train_tokenizer(TokenizerTrainConfig(
         data=[str(data / "pretrain")], out=str(tok_dir), vocab_size=cfg.vocab_size,
-        max_chars=cfg.tokenizer_max_chars, reference="smollm2")))
+        max_chars=cfg.tokenizer_max_chars), reference=load_tokenizer("smollm2")))
     shards = out / "shards"
 
     def prepare():
@@ -165,14 +166,14 @@ def speedrun(cfg: SpeedrunConfig) -> Path:
     def chat_samples():
         from .chat import ChatSession
         from .engine.sampling import SamplingParams
-        from .pretrained import load_pretrained
+        from .model.load import load_model
 
-        model = load_pretrained(sft_dir / "final")
+        model = load_model(sft_dir / "final")
         samples = []
         for prompt in cfg.chat_prompts:
             session = ChatSession(model, SamplingParams(max_tokens=60, temperature=0.7, top_p=0.9, seed=0))
             samples.append({"prompt": prompt, "reply": "".join(session.send(prompt))})
-        base = load_pretrained(pre_dir / "final")
+        base = load_model(pre_dir / "final")
         from .chat import complete
 
         text = "".join(complete(base, "It is a truth universally acknowledged", SamplingParams(

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..pretrained import Pretrained
+from ..model.load import Pretrained
 from .llm import LLM, Engine, EngineStats, RequestOutput
 from .sampling import SamplingParams
 
@@ -132,8 +132,10 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         """Stop a request; its stream ends with finish_reason "abort". Nothing to do on a stopped engine."""
-        if self._accepting:
+        try:
             await asyncio.wrap_future(self._submit(self._abort, request_id))
+        except (EngineFailed, EngineStopped):  # nothing runs any more
+            pass
 
     async def stats(self) -> EngineStats:
         """Exact statistics, taken between steps (waits for the current step; `snapshot` does not)."""

@@ -15,7 +15,7 @@ import torch
 
 from ..model.config import ModelConfig
 from ..model.paged_attention import PagedKVCache
-from ..pretrained import DTYPES
+from ..model.load import DTYPES
 from .speculative import SpeculativeConfig
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..model.transformer import Transformer
-from ..pretrained import Pretrained, load_pretrained
+from ..model.load import Pretrained, load_model
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .model_runner import Chunk, ModelRunner
@@ -366,11 +366,11 @@ class LLM:
                  **engine_options: Any):
         config = EngineConfig(**engine_options)
         if not isinstance(model, Pretrained):
-            model = load_pretrained(model, dtype=config.dtype or torch.float32)
+            model = load_model(model, dtype=config.dtype or torch.float32)
         if draft_model is not None and not isinstance(draft_model, Transformer):
             dtype = model.model.embed_tokens.weight.dtype
             draft_model = (draft_model if isinstance(draft_model, Pretrained)
-                           else load_pretrained(draft_model, dtype=dtype)).model
+                           else load_model(draft_model, dtype=dtype)).model
         self.pretrained, self.tokenizer = model, model.tokenizer
         self.engine = Engine(model.model, model.tokenizer, config, draft_model=draft_model)
 

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..pretrained import QUANTIZATIONS, Pretrained, load_pretrained
+from ..model.load import QUANTIZATIONS, Pretrained, load_model
 from .code import evaluate_humaneval
 from .generative import default_fewshot, evaluate_gsm8k
 from .multiple_choice import FORMATS, evaluate_mc, num_choices
@@ -56,7 +56,7 @@ class EvalConfig:
     batch_size: int = 32  # sequences per forward pass (choices, or generations running at once)
     seed: int = 0  # picks the `limit` sample and the few-shot examples
     dtype: str = "float32"  # weights: float32, bfloat16 (AMX/tensor cores: faster, slightly noisier)
-    quantize: str | None = None  # None, "int8" or "int4": weight-only quantized linear layers (`load_pretrained`)
+    quantize: str | None = None  # None, "int8" or "int4": weight-only quantized linear layers (`load_model`)
     num_fewshot: int | None = None  # None: 0 for multiple choice; GSM8K 0 for chat models, 8 for base
     max_tokens: int = 256  # generation budget per answer (gsm8k, humaneval)
     shards_dir: str | None = None  # val_loss: a token-shard folder with a val split
@@ -114,7 +114,7 @@ def run_eval(cfg: EvalConfig, pretrained: Pretrained | None = None) -> dict[str,
         raise FileNotFoundError(f"perplexity text_file {cfg.text_file} does not exist")
     start = time.perf_counter()
     if pretrained is None:
-        pretrained = load_pretrained(cfg.model, dtype=cfg.dtype, quantize=cfg.quantize)
+        pretrained = load_model(cfg.model, dtype=cfg.dtype, quantize=cfg.quantize)
         if cfg.progress:
             print(f"loaded {pretrained.name} in {time.perf_counter() - start:.1f}s", file=sys.stderr)
     model, tokenizer = pretrained.model.eval(), pretrained.tokenizer

@@ -84,7 +84,7 @@ def read_hf_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     if any(model_dir.glob("*.bin")) or any(model_dir.glob("*.pt")):
         raise ValueError(
             f"{model_dir} has only pickle weights (*.bin/*.pt); tokenmind reads safetensors only because "
-            "unpickling runs arbitrary code — convert with transformers' save_pretrained(safe_serialization=True)"
+            "unpickling runs arbitrary code — convert with transformers' save_model(safe_serialization=True)"
         )
     raise FileNotFoundError(f"no model.safetensors or {SAFETENSORS_INDEX} in {model_dir}")
 

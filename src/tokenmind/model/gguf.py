@@ -21,6 +21,8 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.gguf_reader import ReaderField, ReaderTensor
 from gguf.quants import dequantize
 
+from ..tokenizer.gguf_backend import GGUFTokenizer
+
 # GGUF `general.architecture` -> (HF model_type, HF class, are q/k rows permuted?). llama.cpp's
 # converter permutes q/k only for the llama family (Mistral GGUFs are written as "llama" too).
 _ARCHITECTURES = {
@@ -54,26 +56,6 @@ _TENSOR_NAME = re.compile(r"(?:blk\.(\d+)\.)?(\w+)\.(weight|bias)")
 
 class GGUFError(ValueError):
     """A file that is not a GGUF file, is damaged, or holds something this reader cannot translate."""
-
-
-@dataclass
-class GGUFTokenizer:
-    """The tokenizer a GGUF file carries in its `tokenizer.ggml.*` / `tokenizer.chat_template` keys."""
-
-    model: str  # "gpt2" (byte-level BPE) or "llama" (SentencePiece BPE)
-    pre: str | None  # pre-tokenizer name, e.g. "smollm", "llama-bpe", "qwen2"
-    tokens: list[str]
-    token_types: list[int]  # 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
-    merges: list[str]  # "a b" strings; empty for SentencePiece vocabularies
-    scores: list[float] | None
-    bos_token_id: int | None
-    eos_token_id: int | None
-    unk_token_id: int | None
-    pad_token_id: int | None
-    add_bos_token: bool
-    add_eos_token: bool
-    chat_template: str | None
-    extra: dict = field(default_factory=dict)  # the other `tokenizer.*` keys, e.g. add_space_prefix
 
 
 @dataclass

@@ -28,10 +28,8 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tokenmind.model.checkpoint import load_hf_dir
+from tokenmind.model.load import Pretrained, load_model
 from tokenmind.model.transformer import Transformer
-from tokenmind.pretrained import Pretrained, load_pretrained, resolve_model_path
-from tokenmind.tokenizer import Tokenizer
 from tokenmind.train.config import OptimSection, ScheduleSection, TrainSection, check_schedule_fits, load_config
 from tokenmind.train.distributed import DistContext, init_distributed
 from tokenmind.train.trainer import Trainer, TrainResult, loader_config
@@ -121,17 +119,7 @@ def load_start(sft: SFTSection) -> Pretrained:
     if not sft.init_from:
         raise ValueError("sft.init_from is not set; pass --sft.init_from=MODEL (a run's final/, an HF "
                          "directory, a .gguf file or an alias such as smollm2)")
-    path = resolve_model_path(sft.init_from)
-    if (path / "final" / "config.json").is_file():
-        path = path / "final"
-    if sft.tokenizer:
-        tokenizer = Tokenizer.from_pretrained(resolve_model_path(sft.tokenizer))
-        model = load_hf_dir(path) if path.is_dir() else load_pretrained(path).model
-        return Pretrained(model, tokenizer, path)
-    if path.is_dir() and not (path / "tokenizer.json").is_file():
-        raise FileNotFoundError(f"{path} has no tokenizer.json (exported without data.tokenizer?); "
-                                "pass --sft.tokenizer=DIR with the tokenizer it was trained with")
-    return load_pretrained(path)
+    return load_model(sft.init_from, tokenizer=sft.tokenizer or None)
 
 
 def chat_data(data: ChatDataSection, start: Pretrained) -> ChatData:

@@ -30,7 +30,7 @@ from pydantic import BaseModel, ValidationError
 
 from ..engine.async_engine import AsyncEngine, EngineFailed, EngineStopped
 from ..engine.sampling import SamplingParams
-from ..pretrained import Pretrained, load_pretrained
+from ..model.load import Pretrained, load_model
 from .admission import Admission
 from .config import ServeConfig
 from .errors import APIError, install_error_handlers
@@ -245,7 +245,7 @@ def load_off_main_thread(config: ServeConfig) -> Pretrained:
     cores: 19 vs 29 tokens/s at batch 1. The loader thread's team ends with the thread.
     """
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenmind-load") as pool:
-        return pool.submit(load_pretrained, config.model, dtype=config.dtype, quantize=config.quantization).result()
+        return pool.submit(load_model, config.model, dtype=config.dtype, quantize=config.quantization).result()
 
 
 def build_app(config: ServeConfig, pretrained: Pretrained | None = None) -> FastAPI:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 
 import uvicorn
 
-from ..pretrained import Pretrained
+from ..model.load import Pretrained
 from .app import build_app
 from .config import ServeConfig
 

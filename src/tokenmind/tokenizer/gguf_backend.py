@@ -12,16 +12,33 @@ GPT-4o split families, and `model == "llama"` (SentencePiece-style BPE with byte
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import TYPE_CHECKING
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import BPE
 
-if TYPE_CHECKING:
-    from tokenmind.model.gguf import GGUFTokenizer
-
 TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4
+
+
+@dataclass
+class GGUFTokenizer:
+    """The tokenizer a GGUF file carries in its `tokenizer.ggml.*` / `tokenizer.chat_template` keys."""
+
+    model: str  # "gpt2" (byte-level BPE) or "llama" (SentencePiece BPE)
+    pre: str | None  # pre-tokenizer name, e.g. "smollm", "llama-bpe", "qwen2"
+    tokens: list[str]
+    token_types: list[int]  # 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
+    merges: list[str]  # "a b" strings; empty for SentencePiece vocabularies
+    scores: list[float] | None
+    bos_token_id: int | None
+    eos_token_id: int | None
+    unk_token_id: int | None
+    pad_token_id: int | None
+    add_bos_token: bool
+    add_eos_token: bool
+    chat_template: str | None
+    extra: dict = field(default_factory=dict)  # the other `tokenizer.*` keys, e.g. add_space_prefix
 
 # Split regexes of the pre-tokenizers llama.cpp names in `tokenizer.ggml.pre`. They are the
 # `Split` patterns of the models' original tokenizer.json files. Names not listed here (e.g.

@@ -11,17 +11,14 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tokenizers import Tokenizer as Backend
 from tokenizers import processors
 
 from tokenmind.tokenizer.chat_template import ChatTemplateError, render_chat, render_template
-from tokenmind.tokenizer.gguf_backend import build_backend
+from tokenmind.tokenizer.gguf_backend import GGUFTokenizer, build_backend
 from tokenmind.tokenizer.streaming import StreamDecoder
-
-if TYPE_CHECKING:
-    from tokenmind.model.gguf import GGUFTokenizer
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -29,7 +26,8 @@ _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 class Tokenizer:
     """Encode/decode text, render chats, and describe the special tokens of one model.
 
-    Build it with `from_pretrained` (HF directory or `.gguf` file), `from_file` or `from_gguf`.
+    Build it with `from_pretrained` (an HF directory), `from_file` or `from_gguf` (a GGUF file's
+    vocabulary); `tokenmind.model.load.load_tokenizer` takes any model reference.
     `backend` is the underlying `tokenizers.Tokenizer`; its post-processor decides what
     `add_special_tokens=True` adds (e.g. a BOS for Llama, nothing for SmolLM2).
     """
@@ -92,7 +90,7 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
-        """From a `.gguf` file, or a Hugging Face model directory containing `tokenizer.json`.
+        """From a Hugging Face model directory containing `tokenizer.json`.
 
         In a directory, `special_tokens_map.json` fills special tokens the config lacks, a
         `chat_template.jinja`/`chat_template.json` overrides the config's template (that is where
@@ -100,12 +98,9 @@ class Tokenizer:
         `config.json` become extra stop ids (Llama 3 stops on `<|eot_id|>` as well as its eos).
         """
         path = Path(path)
-        if path.is_file() and path.suffix == ".gguf":
-            from tokenmind.model.gguf import read_gguf  # imported here: it pulls in torch
-
-            return cls.from_gguf(read_gguf(path).tokenizer)
         if not (path / "tokenizer.json").is_file():
-            raise FileNotFoundError(f"{path} is neither a .gguf file nor a directory with a tokenizer.json")
+            raise FileNotFoundError(f"{path} is not a directory with a tokenizer.json (for a .gguf file or an "
+                                    "alias use tokenmind.model.load.load_tokenizer)")
         config = _read_json(path / "tokenizer_config.json")
         for name, value in _read_json(path / "special_tokens_map.json").items():
             if name in _SPECIAL_NAMES and config.get(name) is None:

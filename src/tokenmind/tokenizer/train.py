@@ -186,7 +186,6 @@ class TokenizerTrainConfig:
     max_chars: stop reading the corpus once this many training characters are read (0 = all).
     heldout_every: every n-th document read (chosen by a hash of its id, so stable across runs)
         is held out of training to measure bytes per token, up to max_heldout_chars; 0 = none.
-    reference: a tokenizer to compare with (model dir, .gguf or alias such as "smollm2"); None = skip.
     """
 
     data: list[str] = field(default_factory=list)
@@ -197,7 +196,6 @@ class TokenizerTrainConfig:
     max_chars: int = 0
     heldout_every: int = 50
     max_heldout_chars: int = 2_000_000
-    reference: str | None = None
 
     def __post_init__(self) -> None:
         if not self.data:
@@ -206,8 +204,9 @@ class TokenizerTrainConfig:
             raise ValueError("heldout_every and max_chars must be >= 0 (0 disables them)")
 
 
-def train_tokenizer(cfg: TokenizerTrainConfig) -> dict[str, Any]:
-    """Train on `cfg.data`, save to `cfg.out`, and write/return a report with bytes per token."""
+def train_tokenizer(cfg: TokenizerTrainConfig, reference: _Encoder | None = None) -> dict[str, Any]:
+    """Train on `cfg.data`, save to `cfg.out`, and write/return a report with bytes per token, compared
+    with `reference`'s on the same held-out text if given (e.g. `load_tokenizer("smollm2")`)."""
     from tokenmind.data.readers import read_documents  # local: keeps `import tokenmind.tokenizer` light
 
     heldout: list[str] = []
@@ -235,10 +234,7 @@ def train_tokenizer(cfg: TokenizerTrainConfig) -> dict[str, Any]:
     if heldout:
         report["heldout_docs"] = len(heldout)
         report["bytes_per_token"] = bytes_per_token(tokenizer, heldout)
-        if cfg.reference:
-            from tokenmind.pretrained import resolve_model_path
-
-            reference = Tokenizer.from_pretrained(resolve_model_path(cfg.reference))
+        if reference is not None:
             report["comparison"] = compare_bytes_per_token(tokenizer, reference, heldout)
     (Path(cfg.out) / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report

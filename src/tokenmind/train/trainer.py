@@ -47,6 +47,7 @@ import torch
 from tokenmind.data.loader import LoaderConfig, PackedLoader
 from tokenmind.data.shards import TokenShards
 from tokenmind.model.checkpoint import save_hf_dir
+from tokenmind.model.load import load_tokenizer
 from tokenmind.model.transformer import Transformer
 
 from .checkpoint import TrainingState, capture_rng, latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
@@ -303,16 +304,6 @@ def loader_config(data: Any, ctx: DistContext, seed: int, shuffle: bool) -> Load
                         rank=ctx.rank, world_size=ctx.world_size)
 
 
-def load_tokenizer(name: str) -> Tokenizer | None:
-    """The tokenizer `name` names (dir, .gguf or alias), or None for an empty name."""
-    if not name:
-        return None
-    from tokenmind.pretrained import resolve_model_path
-    from tokenmind.tokenizer import Tokenizer
-
-    return Tokenizer.from_pretrained(resolve_model_path(name))
-
-
 def build_pretrainer(cfg: RunConfig, ctx: DistContext) -> Trainer:
     """The `Trainer` of a pre-training run: packed loaders over data.shards (validation on their
     val split, when there is one) and cfg.model, randomly initialized, for next-token loss."""
@@ -332,7 +323,8 @@ def build_pretrainer(cfg: RunConfig, ctx: DistContext) -> Trainer:
             raise ValueError(f"val split: {e}; hold out more tokens for val or lower data.batch_size") from e
     model = Transformer(cfg.model)
     model.init_weights(cfg.train.init_std, torch.Generator().manual_seed(cfg.train.seed))  # equal on every rank
-    return Trainer(cfg, ctx, model, loader, val_loader, tokenizer=load_tokenizer(data.tokenizer))
+    tokenizer = load_tokenizer(data.tokenizer) if data.tokenizer else None
+    return Trainer(cfg, ctx, model, loader, val_loader, tokenizer=tokenizer)
 
 
 def pretrain(cfg: RunConfig) -> TrainResult:

