@@ -1,6 +1,7 @@
 """`tokenmind eval` end to end: a tiny random model saved as an HF directory, hand-written task
 files, and `main([...])` as a user would type it: the JSON report, the table, --limit, --quantize,
-the help text, and the errors for unknown tasks and missing data."""
+the help text, and the errors for unknown tasks and missing data. (`--config eval.yaml`:
+tests/test_config.py.)"""
 
 import argparse
 import json
@@ -131,8 +132,8 @@ def test_bad_flag_values_exit_with_usage(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["eval", "--model", "m", "--quantize", "int3"])
     assert exit_.value.code == 2 and "int3" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["eval", "--tasks", "arc_easy"])  # --model is required
+    assert main(["eval", "--tasks", "arc_easy"]) == 2  # --model (or `model:` in a --config file) is required
+    assert "no model to evaluate: pass --model MODEL" in capsys.readouterr().err
 
 
 def test_help_lists_tasks_and_flags_with_evalconfig_defaults(capsys):
@@ -147,6 +148,6 @@ def test_help_lists_tasks_and_flags_with_evalconfig_defaults(capsys):
     for name in ("seed", "batch_size", "max_tokens", "val_batches", "seq_len", "data_dir"):
         assert f"(default: {getattr(defaults, name)})" in helps[name], name
     assert f"(default: {','.join(defaults.tasks)})" in helps["tasks"]
-    # every flag is an EvalConfig field, so `cmd_eval` passes it through by name
+    # every flag but --config is an EvalConfig field, so `cmd_eval` passes it through by name
     fields = set(vars(defaults))
-    assert {dest for dest in helps if dest != "help"} <= fields
+    assert {dest for dest in helps if dest not in ("help", "config")} <= fields

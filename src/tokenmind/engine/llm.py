@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ..model.transformer import Transformer
+from ..progress import Bars
 from ..model.load import Pretrained, load_model
 from .block_manager import BlockManager
 from .config import EngineConfig
@@ -413,40 +414,14 @@ class LLM:
             progress = len(prompts) > 1 and sys.stderr.isatty()
         finals: dict[str, RequestOutput] = {}
         wanted = set(ids)
-        with _Progress(len(prompts), progress, self.engine) as bar:
+        start, tokens = time.perf_counter(), self.engine.num_generated_tokens
+        with Bars(progress) as bars:
+            advance = bars.add("generating", len(prompts))
             while len(finals) < len(ids):
                 for out in self.engine.step():
                     if out.finished and out.request_id in wanted:
                         finals[out.request_id] = out
-                        bar.advance()
+                        if advance is not None:
+                            rate = (self.engine.num_generated_tokens - tokens) / (time.perf_counter() - start)
+                            advance(1, f"{rate:.1f} tok/s")
         return [finals[i] for i in ids]
-
-
-class _Progress:
-    """A rich progress bar over finished requests with the generation rate, or nothing when disabled."""
-
-    def __init__(self, total: int, enabled: bool, engine: Engine):
-        self.bar, self.engine = None, engine
-        self.start, self.tokens0 = time.perf_counter(), engine.num_generated_tokens
-        if enabled:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self.bar = Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                                TextColumn("{task.fields[rate]}"), console=Console(stderr=True))
-            self.task = self.bar.add_task("generate", total=total, rate="")
-
-    def __enter__(self) -> _Progress:
-        if self.bar is not None:
-            self.bar.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-
-    def advance(self) -> None:
-        if self.bar is not None:
-            tokens = self.engine.num_generated_tokens - self.tokens0
-            rate = tokens / max(time.perf_counter() - self.start, 1e-9)
-            self.bar.update(self.task, advance=1, rate=f"{rate:.1f} tok/s")

@@ -21,11 +21,12 @@ import os
 import random
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..progress import Bars
+from ..config import Overrides, build_config, read_config
 from ..model.load import QUANTIZATIONS, Pretrained, load_model
 from .code import evaluate_humaneval
 from .generative import default_fewshot, evaluate_gsm8k
@@ -69,8 +70,9 @@ class EvalConfig:
     progress: bool = True  # progress bars on stderr
 
     def __post_init__(self) -> None:
-        if isinstance(self.tasks, str):
-            self.tasks = [t.strip() for t in self.tasks.split(",") if t.strip()]
+        if isinstance(self.tasks, str):  # "a,b" (also as one list item, from a YAML file or override)
+            self.tasks = [self.tasks]
+        self.tasks = [t.strip() for item in self.tasks for t in item.split(",") if t.strip()]
         unknown = [t for t in self.tasks if t not in TASKS]
         if unknown or not self.tasks:
             raise ValueError(f"unknown or no tasks {unknown}; choose from {', '.join(TASKS)}")
@@ -86,6 +88,15 @@ class EvalConfig:
             raise ValueError("the val_loss task needs shards_dir: a token-shard folder with a val split")
         if "perplexity" in self.tasks and not self.text_file:
             raise ValueError("the perplexity task needs text_file: a UTF-8 text file to score")
+
+
+def load_eval_config(path: str | Path | None = None, overrides: Overrides = ()) -> EvalConfig:
+    """What `tokenmind eval` runs: EvalConfig's defaults ← the YAML file at `path` ← overrides (flags,
+    as field names). The model must be named by one of them: nothing is evaluated by default."""
+    values = read_config(EvalConfig, path, overrides)
+    if "model" not in values:
+        raise ValueError("no model to evaluate: pass --model MODEL or set `model:` in the YAML config")
+    return build_config(EvalConfig, values)
 
 
 def load_items(task: str, data_dir: str | Path) -> list[dict[str, Any]]:
@@ -120,7 +131,7 @@ def run_eval(cfg: EvalConfig, pretrained: Pretrained | None = None) -> dict[str,
     model, tokenizer = pretrained.model.eval(), pretrained.tokenizer
     results: dict[str, Any] = {"model": pretrained.name, "path": str(pretrained.path), "config": asdict(cfg),
                                "tasks": {}}
-    with _Bars(cfg.progress) as bars:
+    with Bars(cfg.progress) as bars:
         for task in cfg.tasks:
             t0 = time.perf_counter()
             metrics = _run_task(task, cfg, model, tokenizer, data.get(task, []), bars)
@@ -138,7 +149,7 @@ def run_eval(cfg: EvalConfig, pretrained: Pretrained | None = None) -> dict[str,
     return results
 
 
-def _run_task(task: str, cfg: EvalConfig, model, tokenizer, items: list[dict[str, Any]], bars: _Bars) -> dict:
+def _run_task(task: str, cfg: EvalConfig, model, tokenizer, items: list[dict[str, Any]], bars: Bars) -> dict:
     if task in FORMATS:
         chosen = sample(items, cfg.limit, cfg.seed)
         return evaluate_mc(model, tokenizer, task, chosen, pool=items, num_fewshot=cfg.num_fewshot or 0,
@@ -158,36 +169,6 @@ def _run_task(task: str, cfg: EvalConfig, model, tokenizer, items: list[dict[str
     text = Path(cfg.text_file).read_text(encoding="utf-8")
     return evaluate_lm(model, text, tokenizer, seq_len=cfg.seq_len, stride=cfg.stride,
                        batch_size=cfg.batch_size, progress=bars.add(task, None))
-
-
-class _Bars:
-    """One rich progress bar per task on stderr (or nothing when disabled); `add` returns its
-    advance callback, the shape every evaluator's `progress` argument takes."""
-
-    def __init__(self, enabled: bool):
-        self.progress = None
-        if enabled:
-            from rich.console import Console
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                       TimeRemainingColumn)
-
-            self.progress = Progress(TextColumn("{task.description:<14}"), BarColumn(), MofNCompleteColumn(),
-                                     TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True))
-
-    def __enter__(self) -> _Bars:
-        if self.progress is not None:
-            self.progress.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.progress is not None:
-            self.progress.stop()
-
-    def add(self, name: str, total: int | None) -> Callable[[int], None] | None:
-        if self.progress is None:
-            return None
-        bar = self.progress.add_task(name, total=total)
-        return lambda n: self.progress.advance(bar, n)
 
 
 def print_table(results: dict[str, Any]) -> None:

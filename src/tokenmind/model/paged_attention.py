@@ -55,10 +55,30 @@ class PagedAttentionMetadata:
     seq_lens: list[int]
     block_tables: torch.Tensor
     _decode: dict = field(default_factory=dict, init=False, repr=False)  # window → DecodeBatch
+    _masks: dict = field(default_factory=dict, init=False, repr=False)  # (sequence, window) → causal mask
+    _runs: list | None = field(default=None, init=False, repr=False)
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
+
+    def run_start(self, i: int, block_size: int) -> int | None:
+        """The first block of sequence i if the blocks holding its context are consecutive ids (a fresh
+        pool hands them out in order), so its keys can be read as a view instead of gathered."""
+        if self._runs is None:
+            self._runs = []
+            for table, n in zip(self.block_tables.tolist(), self.seq_lens):
+                used = table[:-(-n // block_size)]
+                self._runs.append(used[0] if used == list(range(used[0], used[0] + len(used))) else None)
+        return self._runs[i]
+
+    def causal_mask(self, i: int, window: int | None) -> torch.Tensor:
+        """Sequence i's mask for its chunk of queries over its context; built once per step."""
+        key = (i, window)
+        if key not in self._masks:
+            q_len = self.query_start_loc[i + 1] - self.query_start_loc[i]
+            self._masks[key] = _causal_mask(q_len, self.seq_lens[i], window, self.block_tables.device)
+        return self._masks[key]
 
     def decode_batch(self, block_size: int, window: int | None) -> DecodeBatch | None:
         """The single-token sequences as one padded batch; built once per step, shared by every layer."""
@@ -77,6 +97,14 @@ class DecodeBatch:
     block_tables: torch.Tensor  # (S, blocks covering the longest)
     longest: int
     mask: torch.Tensor | None  # (S, 1, 1, longest) bool, True = attend
+    run: int | None = None  # one sequence whose blocks are consecutive from this id: read a view
+
+    def keys(self, cache: torch.Tensor) -> torch.Tensor:
+        """(S, H_kv, longest, D) entries of the decode sequences in one layer's pool."""
+        if self.run is not None:
+            nb = self.block_tables.shape[1]
+            return cache[self.run:self.run + nb].reshape(1, -1, *cache.shape[2:])[:, :self.longest].transpose(1, 2)
+        return _gather_blocks(cache, self.block_tables)[:, :self.longest].transpose(1, 2)
 
     @classmethod
     def build(cls, meta: PagedAttentionMetadata, block_size: int, window: int | None) -> DecodeBatch:
@@ -89,12 +117,13 @@ class DecodeBatch:
         d_lens = torch.tensor([lens[i] for i in decode], device=device)
         longest = max(lens[i] for i in decode)
         tables = meta.block_tables[decode][:, : -(-longest // block_size)]
+        run = meta.run_start(decode[0], block_size) if len(decode) == 1 else None
         k_pos = torch.arange(longest, device=device)[None, :]
         allowed = k_pos < d_lens[:, None]
         if window is not None:
             allowed = allowed & (d_lens[:, None] - 1 - k_pos < window)
         mask = None if bool(allowed.all()) else allowed[:, None, None, :]
-        return cls(rows, tables, longest, mask)
+        return cls(rows, tables, longest, mask, run)
 
 
 def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -106,8 +135,12 @@ def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Ten
     return cache.index_select(0, block_tables.reshape(-1)).view(S, nb * cache.shape[1], *cache.shape[2:])
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """(num_blocks, bs, H, D) + block ids → this sequence's first `length` entries as (H, length, D)."""
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int, run: int | None) -> torch.Tensor:
+    """(num_blocks, bs, H, D) + block ids → this sequence's first `length` entries as (H, length, D);
+    a view of the pool when its blocks are consecutive from `run`."""
+    if run is not None:
+        nb = -(-length // cache.shape[1])
+        return cache[run:run + nb].reshape(-1, *cache.shape[2:])[:length].transpose(0, 1)
     return _gather_blocks(cache, block_table[None])[0, :length].transpose(0, 1)
 
 
@@ -126,8 +159,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
     """q (N, H, D), k/v (N, H_kv, D) for the new tokens → attention output (N, H, D).
 
     `attend(q, k, v, mask, causal)` is the layer's kernel on (B, H, T, D) tensors
-    (`attention.scaled_dot_product`), so soft-capping and GQA behave exactly as in the dense path. Single-token (decode) sequences run as one padded
-    batch; multi-token (prefill) chunks run one sequence at a time.
+    (`attention.scaled_dot_product`), so soft-capping and GQA behave exactly as in the dense path.
+    Single-token (decode) sequences run as one padded batch; multi-token chunks (prefill, draft
+    verification) one sequence at a time. Masks are built once per step, and a sequence whose
+    blocks are consecutive is read through a view of the pool instead of a gathered copy.
     """
     k_cache, v_cache = cache.k[layer], cache.v[layer]
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k)
@@ -136,8 +171,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
     starts, lens = meta.query_start_loc, meta.seq_lens
     dec = meta.decode_batch(cache.block_size, window)
     if dec is not None:
-        keys = _gather_blocks(k_cache, dec.block_tables)[:, :dec.longest].transpose(1, 2)  # (S, H_kv, L, D)
-        vals = _gather_blocks(v_cache, dec.block_tables)[:, :dec.longest].transpose(1, 2)
+        keys, vals = dec.keys(k_cache), dec.keys(v_cache)  # (S, H_kv, L, D)
         if dec.rows.numel() == q.shape[0]:  # an all-decode step: no scatter into a bigger output
             return attend(q[:, :, None], keys, vals, dec.mask, False)[:, :, 0]
     out = torch.empty_like(q)
@@ -147,8 +181,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
         a, b = starts[i], starts[i + 1]
         if b - a == 1:
             continue
-        keys = _gather(k_cache, meta.block_tables[i], lens[i])[None]
-        vals = _gather(v_cache, meta.block_tables[i], lens[i])[None]
-        mask = _causal_mask(b - a, lens[i], window, q.device)
-        out[a:b] = attend(q[a:b].transpose(0, 1)[None], keys, vals, mask, False)[0].transpose(0, 1)
+        run = meta.run_start(i, cache.block_size)
+        keys = _gather(k_cache, meta.block_tables[i], lens[i], run)[None]
+        vals = _gather(v_cache, meta.block_tables[i], lens[i], run)[None]
+        out[a:b] = attend(q[a:b].transpose(0, 1)[None], keys, vals, meta.causal_mask(i, window), False)[0] \
+            .transpose(0, 1)
     return out

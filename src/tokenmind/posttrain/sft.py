@@ -28,9 +28,10 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tokenmind.config import Overrides, load_config
 from tokenmind.model.load import Pretrained, load_model
 from tokenmind.model.transformer import Transformer
-from tokenmind.train.config import OptimSection, ScheduleSection, TrainSection, check_schedule_fits, load_config
+from tokenmind.train.config import OptimSection, ScheduleSection, TrainSection, check_schedule_fits
 from tokenmind.train.distributed import DistContext, init_distributed
 from tokenmind.train.trainer import Trainer, TrainResult, loader_config
 
@@ -109,9 +110,9 @@ class SFTConfig:
         check_schedule_fits(self.schedule, self.train)
 
 
-def load_sft_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> SFTConfig:
-    """Defaults ← YAML file ← `--section.key=value` overrides, as `tokenmind.train.load_config`."""
-    return load_config(path, overrides, schema=SFTConfig)
+def load_sft_config(path: str | Path | None = None, overrides: Overrides = ()) -> SFTConfig:
+    """Defaults ← YAML file ← `--section.key=value` overrides (`tokenmind.config.load_config` with `SFTConfig`)."""
+    return load_config(SFTConfig, path, overrides)
 
 
 def load_start(sft: SFTSection) -> Pretrained:

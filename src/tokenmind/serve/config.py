@@ -7,20 +7,26 @@ quickly instead of letting latency grow without bound, and admitted requests kee
 A request that waits longer than `max_queue_wait` for its first step gets 503 + `Retry-After`.
 Before admission, the body is capped (`max_body_bytes`, 413 above it) and parsed and tokenized on
 a worker thread, so no single request can stall the others.
+
+`tokenmind serve` builds it with `load_serve_config`: the fields' defaults, then the command's own
+(a 512 MiB KV cache, the API key from $TOKENMIND_API_KEY), then `--config serve.yaml`, then flags.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..config import Overrides, load_config
 from ..model.load import QUANTIZATIONS
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 BODY_BYTES_PER_CONTEXT_TOKEN = 128  # a token is ~4 characters, JSON escapes take up to 6 bytes per character
 MIN_BODY_BYTES = 1 << 20
+CLI_KV_CACHE_BYTES = 512 << 20  # `tokenmind serve`'s KV pool: fixed, not a share of free memory
 
 
 @dataclass
@@ -114,3 +120,12 @@ class ServeConfig:
         if self.max_model_len is not None:
             options["max_model_len"] = self.max_model_len
         return options
+
+
+def load_serve_config(path: str | Path | None = None, overrides: Overrides = ()) -> ServeConfig:
+    """What `tokenmind serve` runs with: field defaults ← a 512 MiB KV cache and $TOKENMIND_API_KEY
+    ← the YAML file at `path` (any ServeConfig field) ← overrides (flags, as field names)."""
+    defaults: dict[str, Any] = {"kv_cache_bytes": CLI_KV_CACHE_BYTES}
+    if os.environ.get("TOKENMIND_API_KEY"):
+        defaults["api_key"] = os.environ["TOKENMIND_API_KEY"]
+    return load_config(ServeConfig, path, overrides, defaults)

@@ -62,44 +62,37 @@ class Metrics:
 
     def render(self, stats: EngineStats, in_flight: int) -> str:
         """The whole exposition; `in_flight` = requests the server admitted (running or queued)."""
-        p = "tokenmind_"
-        blocks: list[tuple[str, str, str, list[str]]] = [
-            (p + "requests_total", "counter", "HTTP requests by endpoint and status code",
-             [f'{p}requests_total{{endpoint="{_label(e)}",status="{s}"}} {n}'
-              for (e, s), n in sorted(self.requests.items())]),
-            (p + "prompt_tokens_total", "counter", "prompt tokens processed",
-             [f"{p}prompt_tokens_total {self.prompt_tokens}"]),
-            (p + "generation_tokens_total", "counter", "tokens generated",
-             [f"{p}generation_tokens_total {self.generation_tokens}"]),
-            (p + "time_to_first_token_seconds", "histogram", "time from arrival in the engine to the first token",
-             self.ttft.lines(p + "time_to_first_token_seconds")),
-            (p + "time_per_output_token_seconds", "histogram", "mean time per output token after the first",
-             self.tpot.lines(p + "time_per_output_token_seconds")),
-            (p + "queue_wait_seconds", "histogram", "time from arrival in the engine to the first step",
-             self.queue_wait.lines(p + "queue_wait_seconds")),
-            (p + "request_latency_seconds", "histogram", "time from admission to the last token of a request",
-             self.latency.lines(p + "request_latency_seconds")),
-            (p + "requests_in_flight", "gauge", "requests admitted by the server (running or queued)",
-             [f"{p}requests_in_flight {in_flight}"]),
-            (p + "num_requests_running", "gauge", "sequences the engine is decoding",
-             [f"{p}num_requests_running {stats.num_running}"]),
-            (p + "num_requests_waiting", "gauge", "sequences queued in the engine (queue depth)",
-             [f"{p}num_requests_waiting {stats.num_waiting}"]),
-            (p + "oldest_waiting_seconds", "gauge", "how long the longest-waiting queued request has waited",
-             [f"{p}oldest_waiting_seconds {_number(stats.oldest_waiting_s)}"]),
-            (p + "queue_timeouts_total", "counter", "requests refused after waiting longer than max_queue_wait",
-             [f"{p}queue_timeouts_total {stats.num_queue_timeouts}"]),
-            (p + "kv_cache_usage_ratio", "gauge", "fraction of KV-cache blocks held by sequences",
-             [f"{p}kv_cache_usage_ratio {_number(stats.kv_cache_usage)}"]),
-            (p + "kv_cache_blocks_used", "gauge", "KV-cache blocks held by sequences",
-             [f"{p}kv_cache_blocks_used {round(stats.kv_cache_usage * stats.num_blocks)}"]),
-            (p + "kv_cache_blocks", "gauge", "KV-cache blocks in the pool",
-             [f"{p}kv_cache_blocks {stats.num_blocks}"]),
-            (p + "prefix_cache_hit_rate", "gauge", "prompt tokens served from the prefix cache / looked up",
-             [f"{p}prefix_cache_hit_rate {_number(stats.prefix_cache_hit_rate)}"]),
-            (p + "num_preemptions_total", "counter", "sequences preempted for lack of KV blocks",
-             [f"{p}num_preemptions_total {stats.num_preemptions}"]),
+        scalars = [  # (name, type, help, value)
+            ("prompt_tokens_total", "counter", "prompt tokens processed", self.prompt_tokens),
+            ("generation_tokens_total", "counter", "tokens generated", self.generation_tokens),
+            ("requests_in_flight", "gauge", "requests admitted by the server (running or queued)", in_flight),
+            ("num_requests_running", "gauge", "sequences the engine is decoding", stats.num_running),
+            ("num_requests_waiting", "gauge", "sequences queued in the engine (queue depth)", stats.num_waiting),
+            ("oldest_waiting_seconds", "gauge", "how long the longest-waiting queued request has waited",
+             stats.oldest_waiting_s),
+            ("queue_timeouts_total", "counter", "requests refused after waiting longer than max_queue_wait",
+             stats.num_queue_timeouts),
+            ("kv_cache_usage_ratio", "gauge", "fraction of KV-cache blocks held by sequences", stats.kv_cache_usage),
+            ("kv_cache_blocks_used", "gauge", "KV-cache blocks held by sequences",
+             round(stats.kv_cache_usage * stats.num_blocks)),
+            ("kv_cache_blocks", "gauge", "KV-cache blocks in the pool", stats.num_blocks),
+            ("prefix_cache_hit_rate", "gauge", "prompt tokens served from the prefix cache / looked up",
+             stats.prefix_cache_hit_rate),
+            ("num_preemptions_total", "counter", "sequences preempted for lack of KV blocks", stats.num_preemptions),
         ]
+        histograms = [  # (name, help, histogram)
+            ("time_to_first_token_seconds", "time from arrival in the engine to the first token", self.ttft),
+            ("time_per_output_token_seconds", "mean time per output token after the first", self.tpot),
+            ("queue_wait_seconds", "time from arrival in the engine to the first step", self.queue_wait),
+            ("request_latency_seconds", "time from admission to the last token of a request", self.latency),
+        ]
+        p = "tokenmind_"
+        requests = [f'{p}requests_total{{endpoint="{_label(e)}",status="{s}"}} {n}'
+                    for (e, s), n in sorted(self.requests.items())]
+        blocks = [(p + "requests_total", "counter", "HTTP requests by endpoint and status code", requests)]
+        blocks += [(p + name, kind, help_text, [f"{p}{name} {_number(value)}"])
+                   for name, kind, help_text, value in scalars]
+        blocks += [(p + name, "histogram", help_text, h.lines(p + name)) for name, help_text, h in histograms]
         out = []
         for name, kind, help_text, samples in blocks:
             out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *samples]

@@ -2,28 +2,25 @@
 
 A run is described by five sections — `model` (the `ModelConfig` itself, so a run and the
 exported checkpoint agree by construction), `data`, `optim`, `schedule` and `train` — loaded
-from a YAML file and then patched by `section.key=value` overrides from the command line.
-Values are parsed with `yaml.safe_load` and then coerced to the field's declared type, because
-YAML 1.1 reads `1e-3` as a string and `1e12` as a string too; coercing by the annotation makes
-`--optim.lr=1e-3` do what everyone means. Unknown names fail loudly and list the valid ones:
-a typo must never silently train with the default. The resolved config is written next to
-the run's outputs so a run can be reproduced from its folder alone.
+from a YAML file and then patched by `section.key=value` overrides from the command line, by
+the project's one config loader (`tokenmind.config`: values coerced by annotation, unknown names
+rejected with a did-you-mean). Each section checks itself in `__post_init__`, `RunConfig` the
+constraints that span sections. The resolved config is written next to the run's outputs
+(`save_resolved`) so a run can be reproduced from its folder alone.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import math
-import types
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union, get_args, get_origin, get_type_hints
 
-import yaml
-
+from tokenmind.config import Overrides, config_dict, save_resolved
+from tokenmind.config import load_config as load_schema
 from tokenmind.model.config import ModelConfig
+
+__all__ = ["DataSection", "OptimSection", "RunConfig", "ScheduleSection", "TrainSection", "check_schedule_fits",
+           "config_dict", "load_config", "save_resolved"]
 
 
 def _check(ok: bool, message: str) -> None:
@@ -192,142 +189,7 @@ def check_schedule_fits(schedule: ScheduleSection, train: TrainSection) -> None:
                f"{train.steps}; lower schedule.warmup_steps or schedule.decay_fraction")
 
 
-SECTIONS: dict[str, type] = get_type_hints(RunConfig)
-
-
-def _coerce(value: Any, annotation: Any, where: str) -> Any:
-    """`value` (from YAML) as the annotated type, or a ValueError that says what was expected."""
-    origin = get_origin(annotation)
-    if origin in (Union, types.UnionType):
-        options = get_args(annotation)
-        if value is None and type(None) in options:
-            return None
-        for option in options:
-            if option is not type(None):
-                try:
-                    return _coerce(value, option, where)
-                except ValueError:
-                    pass
-        raise ValueError(f"{where}: {value!r} is not a valid {annotation}")
-    if annotation is Any:
-        return value
-    if annotation is bool:
-        if isinstance(value, bool):
-            return value
-    elif annotation is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-    elif annotation is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif annotation is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)  # a folder named 2024 is still a path
-    elif origin is tuple and isinstance(value, (list, tuple)):
-        items = get_args(annotation)
-        if len(items) == len(value):
-            return tuple(_coerce(v, t, where) for v, t in zip(value, items))
-    elif origin is dict and isinstance(value, dict):
-        return value
-    elif origin is list:  # one value is a one-item list, so `--data.files=a.jsonl` works
-        (item,) = get_args(annotation)
-        return [_coerce(v, item, where) for v in (value if isinstance(value, (list, tuple)) else [value])]
-    raise ValueError(f"{where}: expected {getattr(annotation, '__name__', annotation)}, got {value!r}")
-
-
-def _unknown(kind: str, name: str, valid: list[str]) -> ValueError:
-    close = difflib.get_close_matches(name, valid, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return ValueError(f"unknown {kind} {name!r}{hint}; valid: {', '.join(valid)}")
-
-
-def _build_section(cls: type, name: str, values: dict[str, Any]) -> Any:
-    hints = get_type_hints(cls)
-    fields = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in values.items():
-        if key not in fields:
-            raise _unknown(f"key in section {name!r}", key, fields)
-        kwargs[key] = _coerce(value, hints[key], f"{name}.{key}")
-    return cls(**kwargs)
-
-
-def parse_overrides(overrides: list[str], sections: Iterable[str] = tuple(SECTIONS)) -> list[tuple[str, str, Any]]:
-    """`["--optim.lr=1e-3", "train.steps", "20"]` → `[("optim", "lr", "1e-3"), ("train", "steps", 20)]`.
-
-    Accepts `section.key=value` with or without leading dashes, or the value as the next item.
-    """
-    parsed, i = [], 0
-    while i < len(overrides):
-        item = overrides[i].lstrip("-")
-        if "=" in item:
-            path, text = item.split("=", 1)
-        elif i + 1 < len(overrides):
-            path, text = item, overrides[i + 1]
-            i += 1
-        else:
-            raise ValueError(f"override {overrides[i]!r} has no value; write --section.key=value")
-        i += 1
-        if path.count(".") != 1:
-            raise ValueError(f"override {path!r} must be section.key (sections: {', '.join(sections)}); "
-                             "give a whole mapping as YAML, e.g. model.rope_scaling='{rope_type: linear, factor: 2}'")
-        section, key = path.split(".")
-        parsed.append((section, key, yaml.safe_load(text)))
-    return parsed
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
-                schema: type = RunConfig) -> Any:
-    """Defaults ← YAML file (if given) ← overrides, validated; every error names the fix.
-
-    schema: the config dataclass whose fields are the sections (`RunConfig`, or e.g. SFT's own).
-    """
-    sections = get_type_hints(schema)
-    raw: dict[str, Any] = {}
-    if path is not None:
-        loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ValueError(f"{path} must be a YAML mapping of sections ({', '.join(sections)})")
-        raw = loaded or {}
-    for section, values in raw.items():
-        if section not in sections:
-            raise _unknown("config section", section, list(sections))
-        if values is not None and not isinstance(values, dict):
-            raise ValueError(f"section {section!r} in {path} must be a mapping of key: value")
-    raw = {section: dict(values or {}) for section, values in raw.items()}
-    for section, key, value in parse_overrides(list(overrides), sections):
-        if section not in sections:
-            raise _unknown("config section", section, list(sections))
-        raw.setdefault(section, {})[key] = value
-    return schema(**{name: _build_section(cls, name, raw.get(name, {})) for name, cls in sections.items()})
-
-
-def config_dict(cfg: RunConfig) -> dict[str, Any]:
-    """Plain YAML/JSON-friendly dict of the whole config (tuples become lists)."""
-    def plain(value: Any) -> Any:
-        if isinstance(value, dict):
-            return {k: plain(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [plain(v) for v in value]
-        return value
-
-    return plain(dataclasses.asdict(cfg))
-
-
-def save_resolved(cfg: RunConfig, path: str | Path) -> Path:
-    """Write the fully resolved config as YAML; `load_config(path)` gives the same config back."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(yaml.safe_dump(config_dict(cfg), sort_keys=False), encoding="utf-8")
-    tmp.replace(path)
-    return path
+def load_config(path: str | Path | None = None, overrides: Overrides = ()) -> RunConfig:
+    """A pre-training run: defaults ← YAML file (if given) ← `section.key=value` overrides, validated;
+    every error names the fix (`tokenmind.config.load_config` with `RunConfig`)."""
+    return load_schema(RunConfig, path, overrides)
