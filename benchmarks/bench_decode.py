@@ -1,7 +1,8 @@
 """Batch-1 prefill and decode speed on SmolLM2-135M: tokenmind (fp32, int8, int4) vs `transformers`
 (fp32) vs llama.cpp, all on the same GGUF file.
 
-- tokenmind fp32: the GGUF dequantized to float32 (`load_model(path)`).
+- tokenmind fp32: the GGUF dequantized to float32 (`load_model(path)`); decoding runs through the engine
+  as `tokenmind generate` builds it (`chat.interactive_llm`: one sequence, the paged block pool).
 - tokenmind int8 / int4: `load_model(path, quantize=...)`; int4 copies the file's Q4_1 blocks
   into PyTorch's int4 kernel unchanged, so it runs the very weights llama.cpp runs.
 - transformers: `from_pretrained(gguf_file=...)` in float32, `generate` greedy.
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> dict:
     threads = torch.get_num_threads()
     sides = args.sides.split(",")
 
-    from tokenmind.engine.llm import LLM
+    from tokenmind.chat import interactive_llm
     from tokenmind.engine.sampling import SamplingParams
     from tokenmind.model.load import load_model, resolve_model_path
 
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
             with torch.inference_mode():
                 model.logits(model.hidden_states(long_prompt)[:, -1])
 
-        def decode(llm=LLM(pre, max_num_seqs=1, max_model_len=len(short_prompt) + n + 1)):
+        def decode(llm=interactive_llm(pre)):  # the engine as `tokenmind generate` builds it
             assert len(llm.generate(short_prompt, params)[0].token_ids) == n
 
         fns[f"tokenmind_{scheme}"] = (prefill, decode)

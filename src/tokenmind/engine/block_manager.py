@@ -10,6 +10,10 @@ Prefix cache: once all of a full block's tokens have their k/v computed, the blo
 hash of its tokens chained with the previous block's key, so equal keys mean equal prefixes.
 Freed blocks keep their key and stay reusable until the pool runs out of uncached free blocks;
 then the least recently freed cached block is evicted (LRU).
+
+A sequence's next block is, when it is free, the one after its last: consecutive blocks are read
+as one view of the pool instead of being gathered (`paged_attention.py`), which is most of what a
+lone sequence (a chat, the CLI) costs beyond the model itself.
 """
 
 from __future__ import annotations
@@ -105,8 +109,9 @@ class BlockManager:
         matched = self._match_prefix(seq)
         for block in matched:
             self._ref(block)
-        fresh = [self._take_free() for _ in range(self._num_blocks_for(seq.num_tokens) - len(matched))]
-        seq.block_table = matched + fresh
+        seq.block_table = list(matched)
+        for _ in range(self._num_blocks_for(seq.num_tokens) - len(matched)):
+            seq.block_table.append(self._take_free(self._next_of(seq)))
         seq.num_computed_tokens = seq.num_cached_tokens = len(matched) * self.block_size
         self.num_queried_tokens += seq.num_tokens
         self.num_hit_tokens += seq.num_cached_tokens
@@ -131,14 +136,15 @@ class BlockManager:
         """Make the next `num_new_tokens` writable: copy shared blocks they land in, add blocks past the end."""
         new, shared = self._write_needs(seq, num_new_tokens)
         for i in shared:
-            src, dst = seq.block_table[i], self._take_free()
+            src, dst = seq.block_table[i], self._take_free(seq.block_table[i - 1] + 1 if i else None)
             if self.copy_block is None:
                 raise RuntimeError("copy-on-write needs the KV cache's copy_block")
             self.copy_block(src, dst)
             self._deref(src)
             seq.block_table[i] = dst
             self.num_copies += 1
-        seq.block_table.extend(self._take_free() for _ in range(new))
+        for _ in range(new):
+            seq.block_table.append(self._take_free(self._next_of(seq)))
 
     def mark_computed(self, seq: Sequence, num_new_tokens: int) -> None:
         """Record that a step computed `num_new_tokens` more k/v; key the blocks that became full."""
@@ -186,8 +192,18 @@ class BlockManager:
         self.block_keys[block] = None
         self.free_list.move_to_end(block, last=False)  # nothing to keep: reuse it first
 
-    def _take_free(self) -> int:
-        block, _ = self.free_list.popitem(last=False)
+    @staticmethod
+    def _next_of(seq: Sequence) -> int | None:
+        return seq.block_table[-1] + 1 if seq.block_table else None
+
+    def _take_free(self, prefer: int | None = None) -> int:
+        """A free block: `prefer` (the one after the sequence's last) if it is free and caches nothing, so
+        the LRU order of cached blocks is untouched; else the next in order."""
+        if prefer is not None and prefer in self.free_list and self.block_keys[prefer] is None:
+            del self.free_list[prefer]
+            block = prefer
+        else:
+            block, _ = self.free_list.popitem(last=False)
         key = self.block_keys[block]
         if key is not None:
             del self.cached[key]

@@ -28,6 +28,10 @@ class PagedKVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks, self.block_size = num_blocks, block_size
+        # the same memory indexed by slot, all layers and each layer: made once, not per token and layer
+        self.k_slots = self.k.view(shape[0], num_blocks * block_size, *shape[3:])
+        self.v_slots = self.v.view(shape[0], num_blocks * block_size, *shape[3:])
+        self.k_layer_slots, self.v_layer_slots = self.k_slots.unbind(0), self.v_slots.unbind(0)
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -98,13 +102,20 @@ class DecodeBatch:
     longest: int
     mask: torch.Tensor | None  # (S, 1, 1, longest) bool, True = attend
     run: int | None = None  # one sequence whose blocks are consecutive from this id: read a view
+    _views: tuple | None = field(default=None, repr=False)  # per layer (keys, values) views, for a run
 
-    def keys(self, cache: torch.Tensor) -> torch.Tensor:
-        """(S, H_kv, longest, D) entries of the decode sequences in one layer's pool."""
-        if self.run is not None:
-            nb = self.block_tables.shape[1]
-            return cache[self.run:self.run + nb].reshape(1, -1, *cache.shape[2:])[:, :self.longest].transpose(1, 2)
-        return _gather_blocks(cache, self.block_tables)[:, :self.longest].transpose(1, 2)
+    def keys_values(self, cache: PagedKVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(S, H_kv, longest, D) keys and values of the decode sequences in one layer. A run is one
+        slice of the pool for every layer at once, cut into per-layer views the first time."""
+        if self.run is None:
+            k, v = cache.k[layer], cache.v[layer]
+            return (_gather_blocks(k, self.block_tables)[:, :self.longest].transpose(1, 2),
+                    _gather_blocks(v, self.block_tables)[:, :self.longest].transpose(1, 2))
+        if self._views is None:
+            a = self.run * cache.block_size
+            self._views = tuple(zip(*(slots[:, a:a + self.longest].transpose(1, 2)[:, None].unbind(0)
+                                      for slots in (cache.k_slots, cache.v_slots))))
+        return self._views[layer]
 
     @classmethod
     def build(cls, meta: PagedAttentionMetadata, block_size: int, window: int | None) -> DecodeBatch:
@@ -165,13 +176,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
     blocks are consecutive is read through a view of the pool instead of a gathered copy.
     """
     k_cache, v_cache = cache.k[layer], cache.v[layer]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v)
+    cache.k_layer_slots[layer].index_copy_(0, meta.slot_mapping, k)
+    cache.v_layer_slots[layer].index_copy_(0, meta.slot_mapping, v)
 
     starts, lens = meta.query_start_loc, meta.seq_lens
     dec = meta.decode_batch(cache.block_size, window)
     if dec is not None:
-        keys, vals = dec.keys(k_cache), dec.keys(v_cache)  # (S, H_kv, L, D)
+        keys, vals = dec.keys_values(cache, layer)  # (S, H_kv, L, D)
         if dec.rows.numel() == q.shape[0]:  # an all-decode step: no scatter into a bigger output
             return attend(q[:, :, None], keys, vals, dec.mask, False)[:, :, 0]
     out = torch.empty_like(q)

@@ -201,9 +201,8 @@ class Trainer:
                 terms.loss.backward()
             total = terms.detach() if total is None else total + terms.detach()
         count, stats = self._per_unit(total)
-        for p in self.params:  # DDP/FSDP averaged the ranks' gradients, so divide by the per-rank mean count
-            if p.grad is not None:
-                p.grad.div_(count)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        torch._foreach_div_(grads, count)  # DDP/FSDP averaged the ranks' gradients: divide by the per-rank mean count
         grad_norm = float(clip_grad_norm(self.params, self.cfg.optim.grad_clip))
         if not (math.isfinite(stats["loss"]) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
