@@ -54,4 +54,29 @@ def test_the_judge_prefers_the_likelier_answer_in_both_orders():
     # identical answers: each order prefers position A or B the same way, so never a decided pair
     same = judge_preference(pre.model, pre.tokenizer, q, ["abc"], ["abc"])
     assert same["wins"] == same["losses"] == 0 and same["ties"] == 1
+    assert same["corrected_wins"] == same["corrected_losses"] == 0  # equal answers: the margins cancel exactly
+    assert same["position_bias"] in (0.0, 1.0)
     assert mean_nll(pre.model, pre.tokenizer, q, ["aaaa"]) > 0
+
+
+def test_a_judge_that_always_says_a_ties_strictly_but_is_corrected(monkeypatch):
+    """A judge leaning 5 nats towards "A" that still likes the better answer by 1 nat: the strict
+    protocol ties every pair, the position-corrected margin finds the better answer."""
+    import tokenmind.eval.chat_quality as cq
+
+    pre = tiny_pretrained()
+
+    def biased(judge, requests, batch_size):
+        scores = []
+        for ctx, cont in requests:
+            text = pre.tokenizer.decode(ctx)
+            a_part = text.split("Answer A:")[1].split("Answer B:")[0]
+            letter_a = cont == pre.tokenizer.encode("A")
+            good_here = "good" in (a_part if letter_a else text.split("Answer B:")[1])
+            scores.append((5.0 if letter_a else 0.0) + (1.0 if good_here else 0.0))
+        return scores
+
+    monkeypatch.setattr(cq, "loglikelihoods", biased)
+    r = cq.judge_preference(pre.model, pre.tokenizer, ["q1", "q2"], ["good one", "bad one"], ["bad", "good"])
+    assert r["ties"] == 2 and r["win_rate"] is None and r["position_bias"] == 1.0
+    assert (r["corrected_wins"], r["corrected_losses"], r["corrected_win_rate"]) == (1, 1, 0.5)

@@ -25,7 +25,7 @@ import pytest
 from tokenmind.data import fetch as fetch_mod
 from tokenmind.data import sources
 from tokenmind.data.fetch import FetchError, deb_version, default_cache_dir, fetch
-from tokenmind.data.sources import SOURCES, Source, olmes, resolve
+from tokenmind.data.sources import SOURCES, Source, facts, lexicons, olmes, resolve
 from tokenmind.data.sources.archive import iter_members, read_member
 from tokenmind.data.sources.markup import html_to_text, pod_to_text, rst_to_text
 from tokenmind.data.sources.rdata import read_r_lazyload, read_r_serialized
@@ -329,6 +329,190 @@ def test_extract_wordnet_devil_and_faq(tmp_path):
     }]  # fmt: skip
 
 
+# ------------------------------------------------------------------------------- chat facts and definitions
+
+
+def test_quiz_patterns_take_the_first_and_fullest_alternative():
+    assert facts.alternatives("Brussel{s}|Bruxelles") == ["Brussels", "Bruxelles"]
+    assert facts.alternatives("{G{eorge} }Washington") == ["George Washington"]
+    assert facts.alternatives("Rom[e|a]") == ["Rome"]
+    assert facts.alternatives("Andorra la V[ell|iej]a") == ["Andorra la Vella"]
+    assert facts.alternatives("{J{oe} }{Biden}|x{}y") == ["Joe Biden", "xy"]
+    assert facts.alternatives(r"a\|b|c\{d") == ["a|b", "c{d"]
+    for bad in ("a{b", "a]b", "[a|b}"):
+        with pytest.raises(ValueError, match="quiz pattern"):
+            facts.alternatives(bad)
+
+
+def test_quiz_entries_join_continuations_split_fields_and_keep_overstruck_letters():
+    text = ("Colombia:Bogot['\ba|a\b'|a]\n\n"
+            "{J{ames} }Madison:1809-{18}17:{G{eorge} }Clinton|\\\n{E{lbridge} }Gerry:\\\n{J{ames} }Monroe\n"
+            "a\\:b:c\n")  # fmt: skip
+    entries = facts.quiz_entries(text)
+    assert entries == [
+        ["Colombia", "Bogot[a|a|a]"],
+        ["{J{ames} }Madison", "1809-{18}17", "{G{eorge} }Clinton|{E{lbridge} }Gerry", "{J{ames} }Monroe"],
+        ["a\\:b", "c"],
+    ]
+    assert [facts.alternatives(f) for f in entries[1][1:3]] == [["1809-1817"], ["George Clinton", "Elbridge Gerry"]]
+    assert facts.alternatives(entries[2][0]) == ["a:b"]
+
+
+def test_with_article_goes_by_sound():
+    got = {w: facts.with_article(w) for w in ("owl", "hour", "unicorn", "ewe", "uniform", "umbrella", "European",
+                                              "dog", "eaglet", "usage", "uncle")}  # fmt: skip
+    assert got == {"owl": "an owl", "hour": "an hour", "unicorn": "a unicorn", "ewe": "a ewe", "uniform": "a uniform",
+                   "umbrella": "an umbrella", "European": "a European", "dog": "a dog", "eaglet": "an eaglet",
+                   "usage": "a usage", "uncle": "an uncle"}  # fmt: skip
+
+
+QUIZ = "usr/share/games/bsdgames/quiz/"
+QUIZ_FILES = {
+    QUIZ + "index": f"{QUIZ}europe:Europe{{an}}:cap{{ital}}\n",
+    QUIZ + "europe": "France:Paris\nGeorgia:Tbilisi\nUkraine:Kiev|Kyiv\nRussia:Mos[cow|kva]\n",
+    QUIZ + "asia": "Russia:Moscow\n{{People's }Republic of }China:Beijing|Peking\n",
+    QUIZ + "america": "United States|US{A}:Washington{ DC}\nNetherlands Antilles:Willemstad\n",
+    QUIZ + "state": "Georgia|Ga:Atlanta:GA:{Cherokee }rose\nTexas|Tex|TX:Austin:TX:blue{-| }bonnet\n",
+    QUIZ + "elements": "Au:79:197.0:Gold\nLw:103:(259):Lawrencium\n",
+    QUIZ + "babies": "puppy:dog\npup:seal|dog\neaglet:eagle\n",
+    QUIZ + "collectives": "lions:pride\nwolves:pack\nwolves:route\nbees|locusts:swarm\n",
+    QUIZ + "sexes": "stallion:mare\ndog:bitch|vixen\nram:ewe\n",
+    QUIZ + "pres": ("{G{eorge} }Washington:1789-{17}97:{J{ohn} }Adams:{J{ohn} }Adams\n"
+                    "{J{ohn} }Adams:1797-1801:{T{homas} }Jefferson:\\\n{T{homas} }Jefferson\n"
+                    "{W{illiam|m} }{H{enry} }Harrison:1841:{J{ohn} }Tyler:{J{ohn} }Tyler\n"
+                    "{B{arack} }{H{ussein} }Obama{ II}:2009-:\\\n{J{oe} }Biden:\n"
+                    "{J{oe} }Biden::x:\n"),
+    QUIZ + "trek": "Spock:Vulcan\n",  # trivia: not read
+}  # fmt: skip
+
+
+def test_quiz_facts_normalize_update_and_skip(tmp_path):
+    deb = make_deb(tmp_path / "bsdgames_2.17-29+b1_amd64.deb", QUIZ_FILES)
+    got = facts.quiz_facts(deb)
+    assert list(got) == ["europe", "asia", "america", "state", "elements", "babies", "collectives", "sexes", "pres"]
+    table = {(f.topic, f.subject): f.answers for fs in got.values() for f in fs}
+    assert table[("capital", "Ukraine")] == ("Kyiv",)  # renamed; the duplicate alternative merged
+    assert table[("capital", "China")] == ("Beijing", "Peking") and table[("capital", "Russia")] == ("Moscow",)
+    assert [f.subject for f in got["asia"]] == ["China"]  # Russia was in Europe already
+    assert [f.subject for f in got["america"]] == ["United States"]  # the Netherlands Antilles are gone
+    assert table[("capital", "United States")] == ("Washington, D.C.",)
+    assert table[("element-symbol", "lawrencium")] == ("Lr",) and table[("atomic-number", "gold")] == ("79",)
+    assert table[("baby-animal", "dog")] == ("puppy", "pup")
+    assert table[("collective-noun", "wolves")] == ("pack",) and table[("collective-noun", "locusts")] == ("swarm",)
+    assert ("female-counterpart", "dog") not in table and table[("male-counterpart", "ewe")] == ("ram",)
+    pres = [f for f in got["pres"] if f.topic == "president-by-number"]
+    assert [f.subject for f in pres] == ["George Washington", "John Adams", "William Henry Harrison",
+                                         "Barack Hussein Obama II"]  # Biden has no term  # fmt: skip
+    assert "The fourth president of the United States was Barack Hussein Obama II." in pres[3].statements
+    assert table[("president-term", "William Henry Harrison")] == ("in 1841",)
+    assert table[("president-term", "Barack Hussein Obama II")] == ("starting in 2009",)
+    georgia = next(f for f in got["state"] if f.subject == "Georgia")  # also a country: always "the state"
+    assert all("state" in s for s in georgia.statements + georgia.questions)
+    texas = next(f for f in got["state"] if f.subject == "Texas")
+    assert "What is the capital of Texas?" in texas.questions
+
+
+def test_quiz_extractors_write_sentences_and_chats_deterministically(tmp_path):
+    deb = make_deb(tmp_path / "bsdgames_2.17-29+b1_amd64.deb", QUIZ_FILES)
+    docs = list(SOURCES["quiz-facts"].extractor(deb))
+    assert docs == list(SOURCES["quiz-facts"].extractor(deb))
+    assert [d["id"] for d in docs] == ["europe/00", "asia/00", "america/00", "state/00", "elements/00", "babies/00",
+                                       "collectives/00", "sexes/00", "pres/00"]  # fmt: skip
+    europe = docs[0]["text"]
+    title, first, *_ = europe.split("\n\n")
+    assert title == "Countries and their capitals"
+    assert [first.index(c) for c in ("France", "Georgia", "Ukraine", "Russia")] == sorted(
+        first.index(c) for c in ("France", "Georgia", "Ukraine", "Russia"))  # the first round keeps the file's order
+    for sentence in ("The capital of France is Paris.", "Paris is the capital city of France.",
+                     "France's capital is Paris.", "Kyiv is the capital city of Ukraine."):  # fmt: skip
+        assert sentence in europe
+    assert europe.count("Paris") == 3 and len(europe.split("\n\n")) == 4  # title, then one round per phrasing
+    text = "\n".join(d["text"] for d in docs)
+    for sentence in ("The chemical symbol for gold is Au.", "Gold has the symbol Au and the atomic number 79.",
+                     "A baby dog is called a puppy or a pup.", "A group of lions is called a pride.",
+                     "An eaglet is a young eagle.", "The female counterpart of a ram is a ewe.",
+                     "In 1789, George Washington became the 1st president."):  # fmt: skip
+        assert sentence in text
+    assert "Spock" not in text and "route" not in text and "bitch" not in text
+
+    chats = list(SOURCES["quiz-qa"].extractor(deb))
+    assert chats == list(SOURCES["quiz-qa"].extractor(deb))
+    france = [c for c in chats if c["meta"]["subject"] == "France"]
+    assert [c["id"] for c in france] == ["europe/000/0", "europe/000/1"]
+    assert france[0]["meta"] == {"topic": "capital", "subject": "France", "answer": "Paris", "answers": ["Paris"]}
+    assert france[0]["messages"][0]["content"] != france[1]["messages"][0]["content"]  # two phrasings
+    for c in chats:
+        (user, assistant) = c["messages"]
+        assert (user["role"], assistant["role"]) == ("user", "assistant")
+        assert user["content"].endswith(("?", ".")) and user["content"][0].isupper()
+        reply = assistant["content"]  # a full sentence that names the subject and the answer
+        assert reply[0].isupper() and reply.endswith(".") and len(reply.split()) >= 5, reply
+        assert c["meta"]["answer"] in reply and c["meta"]["subject"].lower() in reply.lower(), reply
+    assert {c["meta"]["topic"] for c in chats} == {
+        "capital", "state-capital", "element-symbol", "atomic-number", "element-name", "baby-animal",
+        "collective-noun", "female-counterpart", "male-counterpart", "president-by-number", "president-term"}
+
+
+WN = "usr/share/wordnet/"
+
+
+def _wordnet_deb(path: Path, synsets: list[tuple[str, str, str, str]], counts: dict[str, int]) -> Path:
+    """A wordnet-base .deb whose index.noun points at data.noun lines by byte offset, as WordNet's do;
+    `synsets` are (lemma, word form, lexicographer file, gloss)."""
+    data, index = "  1 This software and database is being provided to you\n", ""
+    for lemma, form, lexfile, gloss in synsets:
+        offset = len(data.encode())
+        data += f"{offset:08d} {lexfile} n 01 {form} 0 000 | {gloss}  \n"
+        index += f"{lemma} n 1 0 1 1 {offset:08d}  \n"
+    cntlist = "".join(f"{lemma}%1:05:00:: 1 {n}\n" for lemma, n in counts.items())
+    files = {WN + "data.noun": data, WN + "index.noun": "  1 license\n" + index, WN + "cntlist.rev": cntlist}
+    return make_deb(path, files)
+
+
+def test_wordnet_common_nouns_read_as_definitions(tmp_path):
+    synsets = [
+        ("dog", "dog", "05", ("a member of the genus Canis (probably descended from the common wolf) that has been "
+                              'domesticated by man since prehistoric times; occurs in many breeds; "the dog barked"')),
+        ("cat", "cat", "05", "feline mammal usually having thick soft fur and no ability to roar: domestic cats"),
+        ("owl", "owl", "05", "nocturnal bird of prey with hawk-like beak and claws"),
+        ("water", "water", "27", "binary compound that occurs at room temperature as a clear liquid"),
+        ("potassium", "potassium", "27", "a light soft silver-white metallic element"),
+        ("mars", "Mars", "17", "a small reddish planet that is the 4th from the sun"),
+        ("way", "way", "04", "how something is done or how it happens"),
+        ("clothes", "clothes", "06", "clothing in general"),
+        ("hot_dog", "hot_dog", "13", "a frankfurter served hot on a bun"),
+        ("jap", "Jap", "18", "(offensive slang) offensive term for a person of Japanese descent"),
+        ("rare", "rare", "05", "an animal nobody counts"),
+    ]  # fmt: skip
+    counts = {"dog": 42, "cat": 30, "owl": 9, "water": 136, "potassium": 5, "mars": 7, "way": 60, "clothes": 8,
+              "hot_dog": 99, "jap": 50, "rare": 1}  # fmt: skip
+    deb = _wordnet_deb(tmp_path / "wordnet-base_1%3a3.0-37_all.deb", synsets, counts)
+    nouns = lexicons.common_nouns(deb, limit=8)
+    assert [n[0] for n in nouns] == ["water", "way", "dog", "cat", "owl", "clothes", "Mars", "potassium"]
+    assert {n[0]: n[3] for n in nouns} == {
+        "water": 'The word "water" means binary compound that occurs at room temperature as a clear liquid.',
+        "way": 'The word "way" means how something is done or how it happens.',
+        "dog": "A dog is a member of the genus Canis that has been domesticated by man since prehistoric times.",
+        "cat": "A cat is a feline mammal usually having thick soft fur and no ability to roar.",
+        "owl": "An owl is a nocturnal bird of prey with hawk-like beak and claws.",
+        "clothes": 'The word "clothes" means clothing in general.',
+        "Mars": "Mars is a small reddish planet that is the 4th from the sun.",
+        "potassium": 'The word "potassium" means a light soft silver-white metallic element.',
+    }
+
+    docs = list(SOURCES["wordnet-common"].extractor(deb))
+    assert [d["id"] for d in docs] == ["000"] and docs[0]["text"].split("\n")[2].startswith("A dog is a member")
+    chats = list(SOURCES["wordnet-definitions"].extractor(deb))
+    assert chats == list(SOURCES["wordnet-definitions"].extractor(deb))
+    dog = next(c for c in chats if c["id"] == "dog")
+    assert dog["meta"] == {"topic": "definition", "subject": "dog", "answer": nouns[2][2]}
+    assert dog["messages"][1]["content"] == nouns[2][3]
+    questions = {c["id"]: c["messages"][0]["content"] for c in chats}
+    assert questions["dog"] in {"What is a dog?", "What does dog mean?", 'What does the word "dog" mean?',
+                                "Define dog.", "What is the meaning of dog?", "Can you explain what a dog is?"}
+    assert "jap" not in questions and "hot_dog" not in questions
+
+
 # ------------------------------------------------------------------------------- eval and SFT extractors
 
 ARC_Q = "Which of these common substances is a gas at room temperature?"
@@ -415,7 +599,10 @@ def test_mmlu_gsm8k_humaneval_extractors(tmp_path):
 
 
 def test_source_table_is_complete_and_respects_the_caveats():
-    assert {"tiny", "pretrain", "sft", "eval", "eval-small", "all"} <= set(sources.groups())
+    assert {"tiny", "pretrain", "sft", "eval", "eval-small", "chat-pretrain", "chat-sft", "all"} <= set(
+        sources.groups())
+    assert sources.groups()["chat-pretrain"] == ["wordnet-common", "quiz-facts"]
+    assert sources.groups()["chat-sft"] == ["wordnet-definitions", "quiz-qa"]
     assert [s.name for s in resolve("tiny")] == ["austen", "shakespeare"]
     assert {s.kind for s in resolve("eval")} == {"eval"} and {s.kind for s in resolve("sft")} == {"sft"}
     assert {"arc-easy", "arc-challenge", "hellaswag", "mmlu", "gsm8k", "humaneval"} <= {s.name for s in resolve("eval")}

@@ -168,3 +168,23 @@ def test_tiny_temperature_and_top_p_are_greedy_not_nan():
     assert sample_batch(logits, [seq([0], temperature=1e-30, top_p=1e-30)])[0] == [1]
     sampled = SamplingParams(temperature=0.5, top_p=1e-30)
     assert not torch.isnan(filter_batch(logits, [sampled]).softmax(-1)).any()
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.9, top_p=0.9), dict(temperature=1.0, top_k=5),
+                                    dict(temperature=0.7, min_p=0.2), dict(temperature=1.3, top_k=40, top_p=0.5),
+                                    dict(temperature=1.0), dict(temperature=2.0, top_p=0.999)])
+def test_draws_among_candidates_follow_the_full_filtered_distribution(params):
+    """Peaked logits put the nucleus among the candidates (the fast path), flat ones do not (the full
+    path); both must sample the distribution `filter_batch` defines over the whole vocabulary."""
+    from tokenmind.engine.sampler import draw
+
+    g = torch.Generator().manual_seed(3)
+    for scale in (8.0, 0.3):
+        logits = torch.randn(1, 2000, generator=g) * scale
+        expected = filter_batch(logits, [SamplingParams(**params)]).softmax(-1)[0]
+        s = seq([0], seed=1, **params)
+        counts = torch.bincount(torch.tensor([draw(logits, [s])[0] for _ in range(3000)]), minlength=2000).float()
+        support = expected > 0
+        assert counts[~support].sum() == 0  # never a filtered-out token
+        top = expected.argsort(descending=True)[:5]
+        assert (counts[top] / 3000 - expected[top]).abs().max() < 0.03

@@ -54,10 +54,11 @@ def test_speedrun_end_to_end_on_local_data(tmp_path):
     report = speedrun(load_speedrun_config(str(cfg_path)))
     text = report.read_text()
     for section in ("## Pre-training", "## SFT", "## Evaluation", "## Samples", "arc_easy", "val_loss",
-                    "What is 2 plus 3?", "tokenmind chat --model"):
+                    "What is 2 plus 3?", f"tokenmind chat --model {tmp_path / 'run' / 'final'}"):
         assert section in text, section
     run = tmp_path / "run"
     assert (run / "pretrain" / "loss.png").exists() and (run / "sft" / "final" / "tokenizer.json").exists()
+    assert (run / "final" / "model.safetensors").is_file()  # runs/<name>/final names the chat model
     stages = json.loads((run / "stages.json").read_text())
     assert list(stages) == ["fetch", "tokenizer", "data", "pretrain", "sft", "eval", "samples"]
     # A second run finds every stage done and only rewrites the report.
@@ -69,5 +70,37 @@ def test_speedrun_end_to_end_on_local_data(tmp_path):
 def test_unknown_config_names_the_choices():
     import pytest
 
-    with pytest.raises(FileNotFoundError, match="cpu, gpu"):
+    with pytest.raises(FileNotFoundError, match="cpu, cpu_v1, gpu"):
         load_speedrun_config("no-such-config")
+
+
+def test_speedrun_chat_recipe_builds_the_mix_and_scores_chat_along_the_run(tmp_path):
+    """The chat recipe's extra stages: the mix (packaged teacher text, templates; no fetched
+    sources here), and chat quality at each SFT checkpoint against the packaged cpu_v1 answers.
+    The run's own model stands in for the judge to keep this fast."""
+    make_data(tmp_path / "data")
+    run = tmp_path / "run"
+    cfg_path = tmp_path / "chat.yaml"
+    cfg_path.write_text(yaml.safe_dump({
+        "name": "chat", "out_dir": str(run), "data_dir": str(tmp_path / "data"), "pretrain_sources": [],
+        "sft_sources": [], "eval_sources": [], "vocab_size": 400, "val_tokens": 3000, "quality_filters": False,
+        "chat_mix": True, "chat_eval": True, "chat_baseline": "cpu_v1", "chat_judge": str(run / "sft" / "final"),
+        "pretrain": {"model": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                               "num_attention_heads": 2, "num_key_value_heads": 1,
+                               "max_position_embeddings": 256, "tie_word_embeddings": True},
+                     "data": {"batch_size": 2, "seq_len": 64}, "schedule": {"warmup_steps": 1},
+                     "train": {"steps": 4, "precision": "fp32"}},
+        "sft": {"data": {"seq_len": 64, "batch_size": 2, "val_fraction": 0.01}, "schedule": {"warmup_steps": 1},
+                "train": {"steps": 4, "precision": "fp32", "checkpoint_every": 2, "keep_last": 0}},
+        "eval": {"tasks": ["val_loss"], "batch_size": 8, "val_batches": 1},
+    }))
+    text = speedrun(load_speedrun_config(str(cfg_path))).read_text()
+    stages = json.loads((run / "stages.json").read_text())
+    assert list(stages) == ["fetch", "mix", "tokenizer", "data", "pretrain", "sft", "eval", "samples", "chat"]
+    assert stages["mix"]["result"]["sft/templates"] > 500 and stages["mix"]["result"]["pretrain/stories"] > 400
+    for part in ("## Chat quality", "baseline `cpu_v1`", "| SFT step 2 |", "| final |", "Ten exchanges:",
+                 "position-corrected"):
+        assert part in text, part
+    assert (run / "chat_quality.png").stat().st_size > 0
+    saved = json.loads((run / "chat_answers.json").read_text())
+    assert saved["name"] == "chat" and len(saved["answers"]) == saved["figures"]["n"] >= 100

@@ -195,6 +195,15 @@ def cmd_data_fetch(args) -> None:
           lock_path=None if args.no_lock else LOCK_PATH)
 
 
+def cmd_data_synthesize(args) -> None:
+    from .posttrain.distill import SynthesisConfig, corpus_path, synthesize
+
+    cfg = SynthesisConfig(kind=args.kind, count=args.count, teacher=args.teacher, max_tokens=args.max_tokens,
+                          seed=args.seed)
+    out = synthesize(cfg, args.out or corpus_path(args.kind), force=args.force)
+    print(f"wrote {out}", file=sys.stderr)
+
+
 def cmd_tokenizer_train(args) -> None:
     from .tokenizer.train import TokenizerTrainConfig, train_tokenizer
 
@@ -373,6 +382,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="re-extract even if outputs are up to date")
     p.add_argument("--no-lock", action="store_true", help="do not verify/record checksums in the lock file")
     p.set_defaults(func=cmd_data_fetch)
+
+    p = data.add_parser("synthesize", help="have a teacher model write training text (stories, explanations, answers)",
+                        description="Generate a prompt set's texts with a teacher model (default SmolLM2-135M-Instruct) "
+                                    "through the engine and cache them as JSONL with a manifest (config, checksum). "
+                                    "The speedrun reads the packaged sets; this command regenerates them.")
+    p.add_argument("kind", choices=("stories", "explanations", "answers"))
+    p.add_argument("--count", type=int, default=1000, help="prompts to generate from (default 1000)")
+    p.add_argument("--teacher", default="smollm2", help="the model that writes (default smollm2)")
+    p.add_argument("--max-tokens", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="output .jsonl.gz (default: the packaged set the speedrun reads)")
+    p.add_argument("--force", action="store_true", help="regenerate even if the file matches the config")
+    p.set_defaults(func=cmd_data_synthesize)
 
     tok = sub.add_parser("tokenizer", help="tokenizer commands").add_subparsers(dest="tokenizer_command",
                                                                                metavar="SUBCOMMAND", required=True)

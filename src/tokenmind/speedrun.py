@@ -1,7 +1,8 @@
 """`tokenmind speedrun`: text to a chatting model in one command, ending in a report card.
 
-fetch corpora (registry packages) → train a BPE tokenizer → clean/dedup/decontaminate/tokenize
-into shards → pre-train → SFT on chat data → evaluate → `report.md`. Each stage is a library
+fetch corpora (registry packages) → [build the chat training mix] → train a BPE tokenizer →
+clean/dedup/decontaminate/tokenize into shards → pre-train → SFT on chat data → evaluate →
+[chat quality] → `report.md`. Each stage is a library
 call owned by its package; this module only wires their outputs to the next stage's inputs,
 skips stages whose outputs already exist (a re-run resumes), and records timings. Its config
 holds each stage's own config whole (`RunConfig`, `SFTConfig`, `EvalConfig`), so a misspelt key
@@ -11,6 +12,7 @@ fails when the speedrun config loads, not minutes later when its stage starts.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -44,6 +46,11 @@ class SpeedrunConfig:
     vocab_size: int = 8192
     tokenizer_max_chars: int = 0
     val_tokens: int = 100_000  # the last documents of the corpus, at least this many tokens, held out
+    quality_filters: bool = True  # Gopher's rules for web text; off for a curated corpus (the chat mix)
+    chat_mix: bool = False  # pre-train and fine-tune on `posttrain.chat_mix` (built from the fetched sources)
+    chat_eval: bool = False  # score chat quality on the held-out prompts, at checkpoints and at the end
+    chat_baseline: str | None = None  # earlier answers the final model is judged against (e.g. cpu_v1)
+    chat_judge: str = "smollm2"  # the model that scores fluency and preference
     pretrain: RunConfig = field(default_factory=RunConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -88,7 +95,8 @@ def stage_paths(values: dict[str, Any]) -> dict[str, Any]:
         if key in values and str(values[key]) != str(value):
             raise ValueError(f"{key}={values[key]!r}: the speedrun sets it to {value} (from {owner}); "
                              f"change {owner} instead, or leave {key} out")
-    defaults = {"sft.data.files": [str(data / "sft")],
+    sft_files = out / "mix" / "sft" if get("chat_mix", False) else data / "sft"
+    defaults = {"sft.data.files": [str(sft_files)],
                 "eval.seq_len": get("pretrain.data.seq_len", DataSection.seq_len),
                 **{f"eval.{k}": v for k, v in EVAL_DEFAULTS.items()}}
     return {**defaults, **values, **{key: value for key, (value, _) in wired.items()}}
@@ -126,7 +134,9 @@ def speedrun(cfg: SpeedrunConfig) -> Path:
     """Run every stage of `cfg` (from `load_speedrun_config`, which wires the stages' paths); return
     the path of the report card."""
     from .data.fetch import fetch
+    from .data.clean import CleanConfig
     from .data.pipeline import DataPipelineConfig, run_pipeline
+    from .data.quality import QualityConfig
     from .data.shards import ShardConfig
     from .model.load import load_tokenizer
     from .tokenizer import Tokenizer
@@ -147,16 +157,31 @@ def speedrun(cfg: SpeedrunConfig) -> Path:
         return {"sources": sorted(manifest.get("sources", {}))}
 
     stages.run("fetch", fetch_all)
+    text_dir = data / "pretrain"
+    if cfg.chat_mix:
+        from .posttrain.chat_mix import build_chat_mix, check_held_out
+
+        def mix():
+            counts = build_chat_mix(data, out / "mix")
+            leaks = check_held_out(out / "mix")
+            if leaks:
+                raise RuntimeError(f"held-out chat prompts reached the training mix: {leaks[:5]}")
+            return counts
+
+        stages.run("mix", mix)
+        text_dir = out / "mix" / "pretrain"
     tok_dir = Path(cfg.pretrain.data.tokenizer)
     tok_report = stages.run("tokenizer", lambda: train_tokenizer(TokenizerTrainConfig(
-        data=[str(data / "pretrain")], out=str(tok_dir), vocab_size=cfg.vocab_size,
+        data=[str(text_dir)], out=str(tok_dir), vocab_size=cfg.vocab_size,
         max_chars=cfg.tokenizer_max_chars), reference=load_tokenizer("smollm2")))
     shards = Path(cfg.pretrain.data.shards)
 
     def prepare():
         tokenizer = Tokenizer.from_pretrained(tok_dir)
-        pipeline = DataPipelineConfig(eval_paths=[data / "eval"], shards=ShardConfig(val_tokens=cfg.val_tokens))
-        report = run_pipeline(data / "pretrain", shards, tokenizer, pipeline)
+        quality = QualityConfig() if cfg.quality_filters else QualityConfig.disabled()
+        pipeline = DataPipelineConfig(eval_paths=[data / "eval"], shards=ShardConfig(val_tokens=cfg.val_tokens),
+                                      clean=CleanConfig(quality=quality))
+        report = run_pipeline(text_dir, shards, tokenizer, pipeline)
         return {k: report[k] for k in ("documents_read", "characters_read", "output", "seconds")}
 
     data_report = stages.run("data", prepare)
@@ -177,6 +202,7 @@ def speedrun(cfg: SpeedrunConfig) -> Path:
 
     pre = stages.run("pretrain", lambda: summary(pretrain(cfg.pretrain)))
     post = stages.run("sft", run_sft)
+    link_final(out, sft_dir / "final")
     evals = stages.run("eval", run_evals)
 
     def chat_samples():
@@ -198,16 +224,55 @@ def speedrun(cfg: SpeedrunConfig) -> Path:
         return samples
 
     samples = stages.run("samples", chat_samples)
-    report = write_report(cfg, out, stages.timings, tok_report, data_report, pre, post, evals, samples)
+    chat = stages.run("chat", lambda: chat_quality(cfg, pre_dir, sft_dir, out)) if cfg.chat_eval else None
+    report = write_report(cfg, out, stages.timings, tok_report, data_report, pre, post, evals, samples, chat)
     from rich.console import Console
 
     Console(stderr=True).print(f"\n[bold green]report card:[/bold green] {report}\n"
-                               f"chat with the result: [bold]tokenmind chat --model {sft_dir / 'final'}[/bold]")
+                               f"chat with the result: [bold]tokenmind chat --model {out / 'final'}[/bold]")
     return report
 
 
+def link_final(out: Path, model_dir: Path) -> Path:
+    """`out/final`: a relative link to the run's finished chat model, so `--model runs/cpu/final`
+    (or just `runs/cpu`) names it."""
+    link, tmp = out / "final", out / "final.tmp"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(os.path.relpath(model_dir, out))
+    tmp.replace(link)
+    return link
+
+
+def chat_quality(cfg: SpeedrunConfig, pre_dir: Path, sft_dir: Path, out: Path) -> dict[str, Any]:
+    """The chat figures along the run (the pre-trained model, each SFT checkpoint, the final model)
+    and, for the final model, the judge's preference against `chat_baseline`; plots the curve."""
+    from .eval.chat_quality import evaluate_chat, load_baseline, plot_curve, save_baseline
+    from .model.load import load_model
+    from .train.checkpoint import list_checkpoints, load_checkpoint_weights
+
+    judge = load_model(cfg.chat_judge)
+    baseline = load_baseline(cfg.chat_baseline) if cfg.chat_baseline else None
+    final = load_model(sft_dir / "final")
+    points = [("pre-trained", load_model(pre_dir / "final").model)]
+    for ckpt in list_checkpoints(sft_dir / "checkpoints")[:-1]:  # the last one is the final model
+        model = load_model(sft_dir / "final").model
+        model.load_state_dict(load_checkpoint_weights(ckpt))
+        points.append((f"SFT step {int(ckpt.name.split('_')[1])}", model))
+    curve = []
+    for name, model in points:
+        r = evaluate_chat(model, final.tokenizer, judge.model, judge.tokenizer)
+        curve.append({"point": name, "on_topic": r["on_topic"], "fluency_ratio": r["fluency_ratio"]})
+    result = evaluate_chat(final.model, final.tokenizer, judge.model, judge.tokenizer,
+                           baseline and baseline["answers"])
+    curve.append({"point": "final", "on_topic": result["on_topic"], "fluency_ratio": result["fluency_ratio"]})
+    save_baseline(result, cfg.name, out / "chat_answers.json")
+    plot_curve(curve, out / "chat_quality.png")
+    return {"final": result, "curve": curve, "baseline": baseline and {"name": baseline["name"],
+                                                                       "figures": baseline["figures"]}}
+
+
 def write_report(cfg: SpeedrunConfig, out: Path, timings: dict, tok: dict, data: dict, pre: dict,
-                 post: dict, evals: dict, samples: list[dict]) -> Path:
+                 post: dict, evals: dict, samples: list[dict], chat: dict | None = None) -> Path:
     """The report card: config, data stats, tokens, time, speed, losses, eval scores, samples."""
     comparison = tok.get("comparison") or {}
 
@@ -238,12 +303,52 @@ def write_report(cfg: SpeedrunConfig, out: Path, timings: dict, tok: dict, data:
         value = res.get(metric)
         shown = f"{value:.4f}" if isinstance(value, float) else value
         lines.append(f"| {task} | {res.get('n', '')} | {metric} | {shown} |")
+    if chat is not None:
+        lines += chat_section(chat)
     lines += ["", "## Samples", ""]
     for sample in samples:
         lines += [f"**{sample['prompt']}**", "", "> " + sample["reply"].replace("\n", "\n> "), ""]
-    lines += ["## Try it", "", f"    tokenmind chat --model {out / 'sft' / 'final'}", ""]
+    lines += ["## Try it", "", f"    tokenmind chat --model {out / 'final'}", ""]
     path = out / "report.md"
     tmp = path.with_suffix(".tmp")
     tmp.write_text("\n".join(lines) + "\n")
     tmp.replace(path)
     return path
+
+
+def chat_section(chat: dict[str, Any]) -> list[str]:
+    """The report's chat-quality section: the figures against the baseline, the curve, ten exchanges."""
+    final, base = chat["final"], chat["baseline"]
+    pref = final.get("preference") or {}
+
+    def pct(x):
+        return "-" if x is None else f"{100 * x:.0f}%"
+
+    lines = ["", "## Chat quality", "",
+             f"On {final['n']} held-out prompts (`src/tokenmind/eval/data/chat_prompts.jsonl`, never trained on). "
+             "On-topic: the answer passes its prompt's check. Fluency: the judge's (SmolLM2-135M-Instruct) mean "
+             "per-token loss on the answers over that on hand-written reference answers (1.0 = as fluent; target "
+             "≤ 1.5). Preference: how often the judge prefers this run's answer over the baseline's, asked in both "
+             "orders: strictly (a pair counts only when both orders agree; ties left out) and position-corrected "
+             "(the log-odds of both orders summed, which cancels the judge's lean towards one letter"
+             + (f": it said \"A\" in {pct(pref['position_bias'])} of the questions)." if pref else ")."), "",
+             "| model | on-topic | fluency ratio | answers starting with a letter choice | preferred by the judge, "
+             "strict | preferred, position-corrected |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |",
+             f"| this run | {pct(final['on_topic'])} | {final['fluency_ratio']:.2f} | {final['mc_letter_starts']} | "
+             + (f"{pct(pref['win_rate'])} ({pref['wins']} won, {pref['losses']} lost, {pref['ties']} ties) | "
+                f"{pct(pref['corrected_win_rate'])} ({pref['corrected_wins']} won, {pref['corrected_losses']} lost) |"
+                if pref else "- | - |")]
+    if base is not None:
+        f = base["figures"]
+        lines.append(f"| baseline `{base['name']}` | {pct(f['on_topic'])} | {f['fluency_ratio']:.2f} | "
+                     f"{f['mc_letter_starts']} | | |")
+    by_category = ", ".join(f"{c} {pct(v)}" for c, v in final["on_topic_by_category"].items())
+    lines += ["", f"On-topic by category: {by_category}",
+              "", "![chat quality along the run](chat_quality.png)", "",
+              "| point | on-topic | fluency ratio |", "| --- | ---: | ---: |",
+              *[f"| {p['point']} | {pct(p['on_topic'])} | {p['fluency_ratio']:.2f} |" for p in chat["curve"]],
+              "", "Ten exchanges:", ""]
+    for p in final["predictions"][::max(1, len(final["predictions"]) // 10)][:10]:
+        lines += [f"- **{p['prompt']}** {p['answer']}" + ("" if p["on_topic"] else " *(off topic)*")]
+    return lines

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
 import numpy as np
@@ -60,6 +60,12 @@ class QualityConfig:
     max_duplicate_ngram_char_fraction: dict[int, float] | None = field(
         default_factory=_gopher_duplicate_ngram
     )
+
+    @classmethod
+    def disabled(cls) -> QualityConfig:
+        """No rule at all, for curated text: Gopher's web rules would drop short answers and
+        lists of facts, whose n-grams repeat by design."""
+        return cls(**{f.name: None for f in fields(cls) if f.name != "symbols"})
 
 
 class QualityRule(NamedTuple):

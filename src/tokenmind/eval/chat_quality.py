@@ -13,6 +13,8 @@ instructions; each carries a check and a reference answer written by hand.
 * **judged preference**: the judge reads a question and two answers and is asked which is better;
   the log-likelihoods of "A" and "B" decide, in both orders. A pair is decided only when both
   orders prefer the same answer; the figure is the share of decided pairs won by the first set.
+  A position-corrected figure (both orders' log-odds together) is reported beside it, because a
+  small judge tends to name one letter whatever it reads.
 
 Also reported: how many answers start with a multiple-choice letter ("B. ...") although no prompt
 here is multiple choice.
@@ -37,6 +39,31 @@ MC_LETTER = re.compile(r"^\s*\(?[A-E][.):]\s")
 JUDGE_QUESTION = ("Here is a question and two answers to it.\n\nQuestion: {question}\n\nAnswer A: {a}\n\n"
                   "Answer B: {b}\n\nWhich answer is better: more correct, more on topic and more fluent? "
                   "Reply with one letter, A or B.")
+
+
+def load_baseline(name_or_path: str | Path) -> dict[str, Any]:
+    """A saved set of answers to compare against: a packaged name (`cpu_v1`: the first speedrun
+    recipe's model) or a JSON file of `save_baseline`'s shape."""
+    path = Path(name_or_path)
+    if not path.is_file():
+        path = PROMPTS_PATH.parent / f"chat_answers_{name_or_path}.json"
+    if not path.is_file():
+        names = ", ".join(p.stem.removeprefix("chat_answers_") for p in PROMPTS_PATH.parent.glob("chat_answers_*"))
+        raise FileNotFoundError(f"no chat baseline {name_or_path!r}: give a JSON file written by save_baseline "
+                                f"or a packaged name ({names or 'none yet'})")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def save_baseline(result: dict[str, Any], name: str, path: str | Path) -> Path:
+    """Keep a chat evaluation's answers and figures, to compare later runs with (`load_baseline`)."""
+    figures = {k: v for k, v in result.items() if k not in ("predictions", "common_openings")}
+    data = {"name": name, "figures": figures, "answers": [p["answer"] for p in result["predictions"]],
+            "prompt_ids": [p["id"] for p in result["predictions"]]}
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    return path
 
 
 def load_chat_prompts(path: str | Path = PROMPTS_PATH) -> list[dict[str, Any]]:
@@ -102,7 +129,15 @@ def mean_nll(judge, tokenizer, questions: Sequence[str], answers: Sequence[str],
 
 def judge_preference(judge, tokenizer, questions: Sequence[str], first: Sequence[str], second: Sequence[str],
                      batch_size: int = 16) -> dict[str, Any]:
-    """How often `judge` prefers `first`'s answer over `second`'s, asked in both orders."""
+    """How often `judge` prefers `first`'s answer over `second`'s, asked in both orders.
+
+    Strict (`win_rate`): a pair is decided only when both orders pick the same answer. A small
+    judge may pick one position whatever it reads (SmolLM2-135M says "A" almost always), leaving
+    nearly every pair tied; `position_bias` reports how often it chose "A". Position-corrected
+    (`corrected_win_rate`): the log-odds of "A" over "B" with `first` in place A minus those with
+    `first` in place B; a constant lean towards one letter cancels, so every pair with a nonzero
+    difference is decided.
+    """
     a_ids, b_ids = tokenizer.encode("A"), tokenizer.encode("B")
     requests = []
     for q, x, y in zip(questions, first, second):
@@ -111,18 +146,25 @@ def judge_preference(judge, tokenizer, questions: Sequence[str], first: Sequence
                 question=q, a=a or "(no answer)", b=b or "(no answer)")}], add_generation_prompt=True)
             requests += [(ctx, a_ids), (ctx, b_ids)]
     scores = loglikelihoods(judge, requests, batch_size)
-    wins = losses = ties = 0
+    wins = losses = ties = chose_a = corrected_wins = corrected_losses = 0
     for i in range(len(questions)):
         s = scores[4 * i:4 * i + 4]  # first as A: P(A), P(B); first as B: P(A), P(B)
         first_as_a, first_as_b = s[0] > s[1], s[3] > s[2]
+        chose_a += (s[0] > s[1]) + (s[2] > s[3])
         if first_as_a and first_as_b:
             wins += 1
         elif not first_as_a and not first_as_b:
             losses += 1
         else:
             ties += 1
-    decided = wins + losses
-    return {"win_rate": wins / decided if decided else None, "wins": wins, "losses": losses, "ties": ties}
+        margin = (s[0] - s[1]) - (s[2] - s[3])
+        corrected_wins += margin > 0
+        corrected_losses += margin < 0
+    decided, corrected = wins + losses, corrected_wins + corrected_losses
+    return {"win_rate": wins / decided if decided else None, "wins": wins, "losses": losses, "ties": ties,
+            "position_bias": chose_a / (2 * len(questions)) if questions else None,
+            "corrected_win_rate": corrected_wins / corrected if corrected else None,
+            "corrected_wins": corrected_wins, "corrected_losses": corrected_losses}
 
 
 def evaluate_chat(model, tokenizer, judge=None, judge_tokenizer=None, baseline: Sequence[str] | None = None,
@@ -155,3 +197,30 @@ def evaluate_chat(model, tokenizer, judge=None, judge_tokenizer=None, baseline: 
             result["preference"] = judge_preference(judge, jt, questions, answers, list(baseline))
     result["common_openings"] = Counter(" ".join(a.split()[:2]) for a in answers).most_common(5)
     return result
+
+
+def plot_curve(curve: list[dict[str, Any]], path: str | Path) -> Path:
+    """On-topic rate and fluency ratio at each evaluated point of a run, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [p["point"] for p in curve]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot(names, [100 * p["on_topic"] for p in curve], marker="o", label="on-topic (%)")
+    ax.set_ylabel("on-topic (%)")
+    ax.set_ylim(0, 100)
+    ax2 = ax.twinx()
+    ax2.plot(names, [p["fluency_ratio"] for p in curve], marker="s", color="tab:orange", label="fluency ratio")
+    ax2.axhline(1.5, color="tab:orange", linestyle=":", linewidth=1)
+    ax2.set_ylabel("fluency ratio (lower is better)")
+    ax.set_title("chat quality along the run")
+    fig.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(path)
+    return path

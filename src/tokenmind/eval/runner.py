@@ -28,6 +28,7 @@ from typing import Any
 from ..progress import Bars
 from ..config import Overrides, build_config, read_config
 from ..model.load import QUANTIZATIONS, Pretrained, load_model
+from .chat_quality import evaluate_chat, load_baseline
 from .code import evaluate_humaneval
 from .generative import default_fewshot, evaluate_gsm8k
 from .multiple_choice import FORMATS, evaluate_mc, num_choices
@@ -37,12 +38,12 @@ from .perplexity import evaluate_lm, shard_val_loss
 DATA_FILES = {"arc_easy": "arc-easy", "arc_challenge": "arc-challenge", "hellaswag": "hellaswag", "piqa": "piqa",
               "openbookqa": "openbookqa", "winogrande": "winogrande", "mmlu": "mmlu", "mmlu_mc": "mmlu",
               "gsm8k": "gsm8k", "humaneval": "humaneval"}  # fmt: skip
-TASKS = [*DATA_FILES, "val_loss", "perplexity"]
+TASKS = [*DATA_FILES, "val_loss", "perplexity", "chat"]
 # the headline metric of each task (OLMES's choice of acc vs acc_norm for the cloze tasks)
 PRIMARY = {"arc_easy": "acc", "arc_challenge": "acc_norm", "hellaswag": "acc_norm", "piqa": "acc_norm",
            "openbookqa": "acc_norm", "winogrande": "acc", "mmlu": "acc_norm", "mmlu_mc": "acc",
            "gsm8k": "exact_match", "humaneval": "pass@1", "val_loss": "loss",
-           "perplexity": "bits_per_byte"}  # fmt: skip
+           "perplexity": "bits_per_byte", "chat": "on_topic"}  # fmt: skip
 FETCH_HINT = "fetch the evaluation sets with `tokenmind data fetch eval` (writes data/eval/*.jsonl)"
 
 
@@ -66,6 +67,8 @@ class EvalConfig:
     seq_len: int = 1024  # val_loss and perplexity window
     stride: int | None = None  # perplexity: new tokens per window (None: seq_len // 2)
     out: str | None = None  # write the results as JSON here
+    judge: str | None = "smollm2"  # chat: the model that scores fluency and preference (None: on-topic only)
+    chat_baseline: str | None = None  # chat: answers to prefer against (a name such as cpu_v1, or a JSON path)
     log_samples: bool = False  # keep per-item predictions in the results
     progress: bool = True  # progress bars on stderr
 
@@ -163,6 +166,10 @@ def _run_task(task: str, cfg: EvalConfig, model, tokenizer, items: list[dict[str
         chosen = sample(items, cfg.limit, cfg.seed)
         return evaluate_humaneval(model, tokenizer, chosen, max_tokens=cfg.max_tokens, batch_size=cfg.batch_size,
                                   progress=bars.add(task, 2 * len(chosen)))
+    if task == "chat":
+        judge = load_model(cfg.judge) if cfg.judge else None
+        baseline = load_baseline(cfg.chat_baseline)["answers"] if cfg.chat_baseline else None
+        return evaluate_chat(model, tokenizer, judge and judge.model, judge and judge.tokenizer, baseline)
     if task == "val_loss":
         return shard_val_loss(model, cfg.shards_dir, cfg.val_batches, cfg.seq_len, cfg.batch_size, tokenizer,
                               progress=bars.add(task, cfg.val_batches))

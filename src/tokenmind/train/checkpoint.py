@@ -116,6 +116,11 @@ def _load_weights(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def load_checkpoint_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """Only the model weights of a checkpoint (tied weights restored), to evaluate it."""
+    return _load_weights(Path(path) / "model.safetensors")
+
+
 def list_checkpoints(root: str | Path) -> list[Path]:
     """Complete checkpoints under `root`, oldest first (`.tmp` folders are not checkpoints)."""
     root = Path(root)

@@ -7,26 +7,39 @@ downloaded archive into records (`base` describes both). `tokenmind.data.fetch` 
 packages and runs the extractors; docs/data.md describes each source.
 
 The package is one module per family of sources, each declaring its `SOURCES` list next to its
-extractors: `books`, `lexicons`, `manuals`, `code`, `olmes` (ARC, HellaSwag, PIQA, ... as eval
-sets and SFT chats) and `benchmarks` (MMLU, GSM8K, HumanEval). They share the archive reader
-(`archive`), the markup converters (`markup`) and the R data reader (`rdata`).
+extractors: `books`, `lexicons`, `facts` (bsdgames' quiz facts as sentences and chats),
+`manuals`, `code`, `olmes` (ARC, HellaSwag, PIQA, ... as eval sets and SFT chats) and
+`benchmarks` (MMLU, GSM8K, HumanEval). They share the archive reader (`archive`), the markup
+converters (`markup`) and the R data reader (`rdata`).
 
 To add a corpus, write a module here with its extractor and a `SOURCES = [Source(...)]` list,
 and add the module to `_FAMILIES` below. The table lists pre-training sources first, then
 SFT, then evaluation, each kind in `_FAMILIES` order, so `all` and error messages read in the
 order a model meets its data.
+
+Groups are tags on the sources: one per kind (`pretrain`, `sft`, `eval`), `tiny` (the CPU corpus),
+`eval-small`, and `chat-pretrain` / `chat-sft`, the simple facts and definitions in plain English
+that a tiny chat model needs to answer questions on topic.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from tokenmind.data.sources import benchmarks, books, code, lexicons, manuals, olmes
+from tokenmind.data.sources import (
+    benchmarks,
+    books,
+    code,
+    facts,
+    lexicons,
+    manuals,
+    olmes,
+)
 from tokenmind.data.sources.base import Extractor, Record, Source
 
 __all__ = ["SOURCES", "Extractor", "Record", "Source", "groups", "resolve"]
 
-_FAMILIES = (books, lexicons, manuals, code, olmes, benchmarks)
+_FAMILIES = (books, lexicons, facts, manuals, code, olmes, benchmarks)
 _KINDS = ("pretrain", "sft", "eval")
 
 

@@ -1,0 +1,299 @@
+"""The training mix of the speedrun's chatting model: simple text to pre-train on, conversations to fine-tune on.
+
+Pre-training text (documents, `{"id", "text"}`):
+* teacher-written stories and explanations of everyday things (`distill.py`): simple, fluent English;
+* facts as plain sentences: capitals, elements, animals (`quiz-facts`), common words' definitions
+  (`wordnet-common`), and the authors and characters of the books the corpus holds (`LITERATURE`).
+
+Conversations (`{"id", "messages"}`):
+* who the model is, greetings, small talk and simple instructions, written here from templates;
+* facts and definitions as questions and full-sentence answers (`quiz-qa`, `wordnet-definitions`);
+* the teacher's answers to simple questions and its explanations;
+* some multiple-choice questions, answered with a sentence that names the choice, not a bare letter.
+
+The held-out chat prompts (`eval/data/chat_prompts.jsonl`) never reach training: a conversation
+whose user turn is one of them (after normalizing case, spaces and punctuation) is dropped, and so
+is every question about a held-out subject (the capital of a held-out country, a held-out word's
+definition), whose facts the model may only know from pre-training text. `check_held_out` proves it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from ..eval.chat_quality import load_chat_prompts
+from .distill import corpus_path, load_synthetic
+
+Record = dict[str, Any]
+NAME = "tokenmind"
+LITERATURE = [  # (work, kind, author, characters)
+    ("Pride and Prejudice", "novel", "Jane Austen", "Elizabeth Bennet and Mr. Darcy"),
+    ("Sense and Sensibility", "novel", "Jane Austen", "Elinor and Marianne Dashwood"),
+    ("Emma", "novel", "Jane Austen", "Emma Woodhouse and Mr. Knightley"),
+    ("Mansfield Park", "novel", "Jane Austen", "Fanny Price and Edmund Bertram"),
+    ("Persuasion", "novel", "Jane Austen", "Anne Elliot and Captain Wentworth"),
+    ("Northanger Abbey", "novel", "Jane Austen", "Catherine Morland and Henry Tilney"),
+    ("Hamlet", "play", "William Shakespeare", "Prince Hamlet of Denmark"),
+    ("Romeo and Juliet", "play", "William Shakespeare", "the young lovers Romeo and Juliet"),
+    ("Macbeth", "play", "William Shakespeare", "Macbeth, a Scottish general who becomes king"),
+    ("Othello", "play", "William Shakespeare", "Othello and Desdemona"),
+    ("King Lear", "play", "William Shakespeare", "King Lear and his three daughters"),
+    ("A Midsummer Night's Dream", "play", "William Shakespeare", "fairies and lovers in a forest"),
+    ("The Tempest", "play", "William Shakespeare", "Prospero and his daughter Miranda"),
+    ("Twelfth Night", "play", "William Shakespeare", "the twins Viola and Sebastian"),
+    ("Paradise Lost", "poem", "John Milton", "Adam, Eve and Satan"),
+]
+CHARACTERS = [  # (character, description)
+    ("Mr. Darcy", "a proud and wealthy gentleman in Jane Austen's novel Pride and Prejudice, who falls in love with "
+                  "Elizabeth Bennet"),
+    ("Elizabeth Bennet", "the clever and lively heroine of Jane Austen's novel Pride and Prejudice"),
+    ("Jane Bennet", "the gentle eldest sister of Elizabeth in Pride and Prejudice"),
+    ("Emma Woodhouse", "the heroine of Jane Austen's novel Emma, who likes to arrange other people's marriages"),
+    ("Fanny Price", "the quiet heroine of Jane Austen's novel Mansfield Park"),
+    ("Hamlet", "the prince of Denmark in William Shakespeare's play Hamlet"),
+    ("Romeo", "the young lover of Juliet in William Shakespeare's play Romeo and Juliet"),
+    ("Juliet", "the young lover of Romeo in William Shakespeare's play Romeo and Juliet"),
+    ("Macbeth", "a Scottish general in William Shakespeare's play Macbeth, who kills the king to take his crown"),
+    ("Prospero", "the magician in William Shakespeare's play The Tempest"),
+]
+GREETINGS = ["Hello", "Hi", "Hey", "Good morning", "Good afternoon", "Good evening", "Greetings", "Hi there",
+             "Hello there", "Hey there", "Morning", "Hiya"]
+GREETING_REPLIES = ["Hello! How can I help you today?", "Hi! What would you like to talk about?",
+                    "Hello! It is nice to hear from you. What can I do for you?", "Hi there! How can I help?",
+                    "Hello! I am happy to help. What would you like to know?", "Hey! What can I do for you today?"]
+IDENTITY_QUESTIONS = ["Who are you?", "What is your name?", "What are you?", "Tell me your name.",
+                      "Are you a person?", "Are you human?", "Are you a computer?", "Who am I talking to?",
+                      "What kind of assistant are you?", "Introduce yourself.", "Who built you?",
+                      "Do you have feelings?", "What can you do?", "Are you smart?", "Where do you come from?",
+                      "What should I call you?", "Who created you?", "Are you a machine?", "What is tokenmind?",
+                      "Can you tell me who you are?", "What do you do?", "Are you alive?", "How old are you?",
+                      "Are you an AI?", "Say your name.", "What are you good at?", "Can you help me?",
+                      "Do you know who you are?", "Are you a real person?", "What is your job?"]
+IDENTITY_ANSWERS = [
+    f"I am {NAME}, a small language model. I can answer simple questions.",
+    f"My name is {NAME}. I am a small AI assistant trained on simple English text.",
+    f"I am {NAME}, an AI assistant. I am a small language model, not a person.",
+    f"I am a small language model called {NAME}. I try to give short, helpful answers.",
+    f"You are talking to {NAME}, a small AI language model made with the {NAME} project.",
+]
+SMALL_TALK = [
+    ("How are you?", "I am fine, thank you for asking. How are you?"),
+    ("How are you today?", "I am doing well, thank you. How can I help you today?"),
+    ("Thank you!", "You are welcome! I am glad I could help."),
+    ("Thanks a lot.", "You are welcome. Is there anything else I can do for you?"),
+    ("Goodbye!", "Goodbye! Have a nice day."),
+    ("See you later.", "See you later! Take care."),
+    ("Good night.", "Good night! Sleep well."),
+    ("I am happy today.", "That is wonderful! I am glad you are happy."),
+    ("I am sad.", "I am sorry you feel sad. Do you want to talk about it?"),
+    ("Tell me a joke.", "Why did the cat sit on the computer? To keep an eye on the mouse!"),
+    ("What can we talk about?", "We can talk about animals, countries, words, books or anything you like."),
+    ("Can you help me?", "Of course! Tell me what you need and I will do my best to help."),
+]
+LISTS = {
+    "colours": ["red", "blue", "green", "yellow", "orange", "purple", "pink", "brown", "black", "white"],
+    "animals": ["dog", "cat", "horse", "cow", "lion", "tiger", "elephant", "rabbit", "bear", "sheep", "fox", "mouse"],
+    "fruits": ["apple", "banana", "orange", "pear", "grape", "cherry", "peach", "plum", "lemon", "mango"],
+    "vegetables": ["carrot", "potato", "onion", "pea", "bean", "cabbage", "tomato", "cucumber", "pepper", "lettuce"],
+    "birds": ["robin", "eagle", "owl", "duck", "swan", "crow", "sparrow", "parrot", "pigeon", "penguin"],
+    "sea animals": ["fish", "whale", "dolphin", "shark", "crab", "octopus", "seal", "turtle", "jellyfish", "starfish"],
+    "things in a kitchen": ["stove", "sink", "table", "knife", "spoon", "plate", "cup", "pot", "pan", "kettle"],
+    "days of the week": ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"],
+    "months": ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October"],
+    "seasons": ["spring", "summer", "autumn", "winter"],
+    "shapes": ["circle", "square", "triangle", "rectangle", "star", "oval"],
+    "drinks": ["water", "milk", "tea", "coffee", "juice", "lemonade"],
+    "sports": ["football", "tennis", "swimming", "running", "basketball", "cycling", "skiing", "golf"],
+    "jobs": ["teacher", "doctor", "farmer", "baker", "nurse", "pilot", "driver", "cook", "builder", "painter"],
+    "things you can wear": ["hat", "coat", "shirt", "dress", "shoes", "socks", "scarf", "gloves", "jacket"],
+    "musical instruments": ["piano", "guitar", "violin", "drum", "flute", "trumpet", "harp", "cello"],
+    "planets": ["Mercury", "Venus", "Earth", "Mars", "Jupiter", "Saturn", "Uranus", "Neptune"],
+}
+NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
+
+
+def normalize(text: str) -> str:
+    """Lowercase letters and digits only, single spaces: how held-out prompts are compared."""
+    return " ".join(re.findall(r"[a-z0-9]+", text.lower()))
+
+
+class HeldOut:
+    """The held-out chat prompts and the (topic, subject) pairs training may not ask about."""
+
+    def __init__(self, prompts: Iterable[Record] | None = None):
+        items = list(prompts) if prompts is not None else load_chat_prompts()
+        self.prompts = {normalize(it["prompt"]) for it in items}
+        self.subjects = {(topic, normalize(it["subject"])) for it in items for topic in it.get("topics", ())}
+
+    def allows(self, chat: Record) -> bool:
+        meta = chat.get("meta", {})
+        if (meta.get("topic"), normalize(str(meta.get("subject", "")))) in self.subjects:
+            return False
+        return not any(normalize(m["content"]) in self.prompts for m in chat["messages"] if m["role"] == "user")
+
+
+def _chat(chat_id: str, *turns: str) -> Record:
+    roles = ["user", "assistant"] * len(turns)
+    return {"id": chat_id, "messages": [{"role": r, "content": t} for r, t in zip(roles, turns)]}
+
+
+def _join(words: list[str]) -> str:
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+
+
+def template_chats(rng: random.Random) -> Iterator[Record]:
+    """Identity, greetings, small talk, instructions and literature, in many phrasings."""
+    for i, q in enumerate(IDENTITY_QUESTIONS):
+        for j in range(3):
+            yield _chat(f"identity-{i}-{j}", q, rng.choice(IDENTITY_ANSWERS))
+    for i, g in enumerate(GREETINGS):
+        for j, ending in enumerate(["", "!", ".", ", how are you?", "! Nice to meet you."]):
+            reply = rng.choice(GREETING_REPLIES)
+            if ending == ", how are you?":
+                reply = f"{g}! I am fine, thank you. How are you?"
+            yield _chat(f"greeting-{i}-{j}", g + ending, reply)
+        yield _chat(f"greeting-{i}-multi", g + "!", rng.choice(GREETING_REPLIES), "Who are you?",
+                    rng.choice(IDENTITY_ANSWERS))
+    for i, (q, a) in enumerate(SMALL_TALK):
+        yield _chat(f"talk-{i}", q, a)
+    forms = ["List {n} {kind}.", "Name {n} {kind}.", "Give me {n} {kind}.", "Tell me {n} {kind}.",
+             "Can you name {n} {kind}?", "Write a list of {n} {kind}."]
+    for kind, words in LISTS.items():
+        for n in range(2, min(6, len(words)) + 1):
+            for f, form in enumerate(forms):
+                picked = rng.sample(words, n)
+                q = form.format(n=NUMBER_WORDS[n], kind=kind)
+                yield _chat(f"list-{kind}-{n}-{f}", q, f"{NUMBER_WORDS[n].capitalize()} {kind} are {_join(picked)}.")
+    for n in range(3, 11):
+        for f, q in enumerate([f"Count from one to {NUMBER_WORDS[n]}.", f"Count to {n}.",
+                               f"Please count from 1 to {n}."]):
+            yield _chat(f"count-{n}-{f}", q, ", ".join(w.capitalize() if k == 0 else w
+                                                      for k, w in enumerate(NUMBER_WORDS[1:n + 1])) + ".")
+    for i, (work, kind, author, chars) in enumerate(LITERATURE):
+        yield _chat(f"lit-author-{i}", rng.choice([f"Who wrote {work}?", f"Who is the author of {work}?"]),
+                    f"{work} was written by {author}.")
+        yield _chat(f"lit-what-{i}", rng.choice([f"What is {work}?", f"Tell me about {work}."]),
+                    f"{work} is a {kind} by {author}. It is about {chars}.")
+    for i, (name, desc) in enumerate(CHARACTERS):
+        yield _chat(f"lit-char-{i}", rng.choice([f"Who is {name}?", f"Tell me about {name}."]), f"{name} is {desc}.")
+
+
+def literature_text() -> list[Record]:
+    """Plain sentences about the books the pre-training corpus holds and their people."""
+    lines = []
+    for work, kind, author, chars in LITERATURE:
+        lines += [f"{work} is a {kind} by {author}.", f"{author} wrote the {kind} {work}.",
+                  f"The {kind} {work} is about {chars}."]
+    lines += [f"{name} is {desc}." for name, desc in CHARACTERS]
+    return [{"id": "literature", "text": "\n".join(lines)}]
+
+
+SENTENCE_END = re.compile(r"(?<=[.!?])(?<!\bMr\.)(?<!\bMrs\.)(?<!\bDr\.)(?<!\bSt\.)\s+(?=[A-Z\"])")
+
+
+def fact_documents(docs: Iterable[Record], repeats: int, rng: random.Random, per_doc: int = 12) -> list[Record]:
+    """The facts' sentences, `repeats` times over, shuffled into short documents anew each time.
+
+    A tiny model needs to see a fact many times to recall it, but the fact lists are small next to
+    the prose. Repeating them as new groupings (rather than copies) keeps each document distinct,
+    so exact and near dedup keep them, and no fact always follows the same neighbour."""
+    sentences = [s for d in docs for line in d["text"].splitlines() for s in SENTENCE_END.split(line.strip())
+                 if s[-1:] in ".!?"]
+    out = []
+    for r in range(repeats):
+        order = rng.sample(sentences, len(sentences))
+        out += [{"id": f"facts-{r}-{i // per_doc}", "text": " ".join(order[i:i + per_doc])}
+                for i in range(0, len(order), per_doc)]
+    return out
+
+
+def multiple_choice_chats(records: Iterable[Record], limit: int, rng: random.Random) -> list[Record]:
+    """Multiple-choice chats whose answer is a sentence ("The answer is B: ..."), not a bare letter."""
+    out = []
+    for r in records:
+        answer = r["messages"][-1]["content"]
+        letter, _, text = answer.partition(". ")
+        if len(letter) == 1 and text:
+            out.append({**r, "messages": [*r["messages"][:-1], {"role": "assistant",
+                                                              "content": f"The answer is {letter}: {text}."}]})
+    rng.shuffle(out)
+    return out[:limit]
+
+
+def teacher_chats(kind: str) -> list[Record]:
+    """The teacher's answers (or explanations) as single-turn chats."""
+    return [_chat(f"{kind}-{r['id']}", r.get("question", r["prompt"]), r["response"])
+            for r in load_synthetic(corpus_path(kind))]
+
+
+def teacher_documents(kind: str) -> list[Record]:
+    return [{"id": f"{kind}-{r['id']}", "text": r["response"]} for r in load_synthetic(corpus_path(kind))]
+
+
+def read_jsonl(path: Path) -> list[Record]:
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def write_jsonl(path: Path, records: Iterable[Record]) -> int:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp, n = path.with_name(path.name + ".tmp"), 0
+    with open(tmp, "w", encoding="utf-8") as fh:
+        for r in records:
+            fh.write(json.dumps(r, ensure_ascii=False) + "\n")
+            n += 1
+    tmp.replace(path)
+    return n
+
+
+def build_chat_mix(data_dir: str | Path, out_dir: str | Path, mc_limit: int = 2000, fact_repeats: int = 3,
+                   seed: int = 0) -> dict[str, Any]:
+    """Write `out_dir/pretrain/mix.jsonl` and `out_dir/sft/*.jsonl` from the fetched sources in
+    `data_dir` (`chat-pretrain`, `chat-sft` and the multiple-choice train sets) and the teacher's
+    packaged sets, the facts `fact_repeats` times over; return the counts per source."""
+    data, out, rng, held = Path(data_dir), Path(out_dir), random.Random(seed), HeldOut()
+    counts: dict[str, int] = {}
+    facts = {"literature": literature_text()}
+    for name in ("quiz-facts", "wordnet-common"):
+        if (data / "pretrain" / f"{name}.jsonl").is_file():
+            facts[name] = read_jsonl(data / "pretrain" / f"{name}.jsonl")
+    prose = {"stories": teacher_documents("stories"), "explanations": teacher_documents("explanations")}
+    kept = {name: [d for d in docs if not any(p in normalize(d["text"]) for p in held.prompts if len(p.split()) > 3)]
+            for name, docs in {**facts, **prose}.items()}
+    counts.update({f"pretrain/{name}": len(docs) for name, docs in kept.items()})
+    fact_docs = fact_documents([d for name in facts for d in kept[name]], fact_repeats, rng)
+    prose_docs = [d for name in prose for d in kept[name]]
+    rng.shuffle(prose_docs)
+    # facts first, the teacher's prose after them: the validation split takes the corpus's last
+    # documents, and must not take away facts the held-out prompts ask about
+    counts["pretrain/documents"] = write_jsonl(out / "pretrain" / "mix.jsonl", fact_docs + prose_docs)
+    sft = {"templates": list(template_chats(rng)), "teacher-answers": teacher_chats("answers"),
+           "teacher-explanations": teacher_chats("explanations")}
+    for name in ("quiz-qa", "wordnet-definitions"):
+        if (data / "sft" / f"{name}.jsonl").is_file():
+            sft[name] = read_jsonl(data / "sft" / f"{name}.jsonl")
+    mc = [r for name in ("arc-easy-train", "openbookqa-train") if (data / "sft" / f"{name}.jsonl").is_file()
+          for r in read_jsonl(data / "sft" / f"{name}.jsonl")]
+    sft["multiple-choice"] = multiple_choice_chats(mc, mc_limit, rng)
+    for name, chats in sft.items():
+        counts[f"sft/{name}"] = write_jsonl(out / "sft" / f"{name}.jsonl", [c for c in chats if held.allows(c)])
+    return counts
+
+
+def check_held_out(mix_dir: str | Path) -> list[str]:
+    """Every place a held-out prompt occurs in a built mix (should be none)."""
+    held, found = HeldOut(), []
+    for path in sorted(Path(mix_dir).rglob("*.jsonl")):
+        for r in read_jsonl(path):
+            texts = [m["content"] for m in r["messages"] if m["role"] == "user"] if "messages" in r else [r["text"]]
+            for text in texts:
+                norm = normalize(text)
+                if ("messages" in r and norm in held.prompts) or (
+                        "messages" not in r and any(p in norm for p in held.prompts if len(p.split()) > 3)):
+                    found.append(f"{path.name}:{r['id']}")
+    return found
