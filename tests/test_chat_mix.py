@@ -51,6 +51,10 @@ def test_the_built_mix_holds_no_held_out_prompt(tmp_path):
     assert counts["sft/quiz-qa"] == 1 and counts["pretrain/quiz-facts"] == 1  # the fact stays as text
     assert counts["sft/templates"] > 500 and counts["pretrain/stories"] > 400
     assert check_held_out(tmp_path / "mix") == []
+    multi = [json.loads(line) for line in open(tmp_path / "mix" / "sft" / "multi-turn.jsonl")]
+    assert len(multi) == counts["sft/multi-turn"] > 1000
+    assert all(len(c["messages"]) in (4, 6) and [m["role"] for m in c["messages"]][:2] == ["user", "assistant"]
+               for c in multi)
     leaked = tmp_path / "mix" / "sft" / "leak.jsonl"
     leaked.write_text(json.dumps(chat("Who wrote Pride and Prejudice?", "Jane Austen.")) + "\n")
     assert check_held_out(tmp_path / "mix") == ["leak.jsonl:Who wrote Pride and Prejudice?"]

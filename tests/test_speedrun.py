@@ -37,7 +37,7 @@ def test_speedrun_end_to_end_on_local_data(tmp_path):
     make_data(tmp_path / "data")
     cfg_path = tmp_path / "mini.yaml"
     cfg_path.write_text(yaml.safe_dump({
-        "name": "mini", "out_dir": str(tmp_path / "run"), "data_dir": str(tmp_path / "data"),
+        "name": "mini", "description": "Why this recipe: it is tiny.", "out_dir": str(tmp_path / "run"), "data_dir": str(tmp_path / "data"),
         "pretrain_sources": [], "sft_sources": [], "eval_sources": [], "vocab_size": 400, "val_tokens": 3000,
         "pretrain": {"model": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                                "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -53,7 +53,7 @@ def test_speedrun_end_to_end_on_local_data(tmp_path):
     }))
     report = speedrun(load_speedrun_config(str(cfg_path)))
     text = report.read_text()
-    for section in ("## Pre-training", "## SFT", "## Evaluation", "## Samples", "arc_easy", "val_loss",
+    for section in ("Why this recipe: it is tiny.", "## Pre-training", "## SFT", "## Evaluation", "## Samples", "arc_easy", "val_loss",
                     "What is 2 plus 3?", f"tokenmind chat --model {tmp_path / 'run' / 'final'}"):
         assert section in text, section
     run = tmp_path / "run"

@@ -38,6 +38,7 @@ class SpeedrunConfig:
     """
 
     name: str = "cpu"
+    description: str = ""  # why the recipe is what it is: shown at the top of the report card
     out_dir: str = "runs/cpu"
     data_dir: str = "data"
     pretrain_sources: list[str] = field(default_factory=lambda: ["tiny"])
@@ -282,6 +283,7 @@ def write_report(cfg: SpeedrunConfig, out: Path, timings: dict, tok: dict, data:
     lines = [f"# tokenmind speedrun: {cfg.name}", "",
              f"Total time: **{sum(timings.values()) / 60:.1f} min**. Config: `speedrun.yaml`; "
              "pre-training config: `pretrain/config.yaml`; SFT config: `sft/config.yaml`.", "",
+             *([cfg.description.strip(), ""] if cfg.description.strip() else []),
              "| stage | seconds |", "| --- | ---: |", *[f"| {k} | {v} |" for k, v in timings.items()], "",
              "## Data and tokenizer", "",
              f"- sources: {', '.join(cfg.pretrain_sources)} (pre-training), {', '.join(cfg.sft_sources)} (SFT), "

@@ -216,7 +216,7 @@ def plot_curve(curve: list[dict[str, Any]], path: str | Path) -> Path:
     ax2.axhline(1.5, color="tab:orange", linestyle=":", linewidth=1)
     ax2.set_ylabel("fluency ratio (lower is better)")
     ax.set_title("chat quality along the run")
-    fig.legend(loc="upper right", fontsize=8)
+    fig.legend(loc="center right", bbox_to_anchor=(0.88, 0.5), fontsize=8)
     fig.tight_layout()
     path = Path(path)
     tmp = path.with_name(path.stem + ".tmp.png")

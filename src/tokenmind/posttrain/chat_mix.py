@@ -9,6 +9,7 @@ Conversations (`{"id", "messages"}`):
 * who the model is, greetings, small talk and simple instructions, written here from templates;
 * facts and definitions as questions and full-sentence answers (`quiz-qa`, `wordnet-definitions`);
 * the teacher's answers to simple questions and its explanations;
+* multi-turn conversations strung from those single exchanges, so later turns stay on topic;
 * some multiple-choice questions, answered with a sentence that names the choice, not a bare letter.
 
 The held-out chat prompts (`eval/data/chat_prompts.jsonl`) never reach training: a conversation
@@ -225,6 +226,16 @@ def multiple_choice_chats(records: Iterable[Record], limit: int, rng: random.Ran
     return out[:limit]
 
 
+def multi_turn_chats(chats: list[Record], count: int, rng: random.Random, max_turns: int = 3) -> list[Record]:
+    """Conversations of 2 to `max_turns` exchanges, each drawn from the single-turn chats: a chat
+    model must keep answering the latest question, not drift once the context holds earlier ones."""
+    out = []
+    for i in range(count):
+        parts = rng.sample(chats, rng.randint(2, max_turns))
+        out.append({"id": f"multi-{i}", "messages": [m for c in parts for m in c["messages"]]})
+    return out
+
+
 def teacher_chats(kind: str) -> list[Record]:
     """The teacher's answers (or explanations) as single-turn chats."""
     return [_chat(f"{kind}-{r['id']}", r.get("question", r["prompt"]), r["response"])
@@ -251,8 +262,8 @@ def write_jsonl(path: Path, records: Iterable[Record]) -> int:
     return n
 
 
-def build_chat_mix(data_dir: str | Path, out_dir: str | Path, mc_limit: int = 2000, fact_repeats: int = 3,
-                   seed: int = 0) -> dict[str, Any]:
+def build_chat_mix(data_dir: str | Path, out_dir: str | Path, mc_limit: int = 1000, fact_repeats: int = 3,
+                   multi_turn: int = 1500, seed: int = 0) -> dict[str, Any]:
     """Write `out_dir/pretrain/mix.jsonl` and `out_dir/sft/*.jsonl` from the fetched sources in
     `data_dir` (`chat-pretrain`, `chat-sft` and the multiple-choice train sets) and the teacher's
     packaged sets, the facts `fact_repeats` times over; return the counts per source."""
@@ -279,9 +290,12 @@ def build_chat_mix(data_dir: str | Path, out_dir: str | Path, mc_limit: int = 20
             sft[name] = read_jsonl(data / "sft" / f"{name}.jsonl")
     mc = [r for name in ("arc-easy-train", "openbookqa-train") if (data / "sft" / f"{name}.jsonl").is_file()
           for r in read_jsonl(data / "sft" / f"{name}.jsonl")]
-    sft["multiple-choice"] = multiple_choice_chats(mc, mc_limit, rng)
+    sft = {name: [c for c in chats if held.allows(c)] for name, chats in sft.items()}
+    single = [c for chats in sft.values() for c in chats if len(c["messages"]) == 2]
+    sft["multi-turn"] = multi_turn_chats(single, multi_turn, rng)
+    sft["multiple-choice"] = [c for c in multiple_choice_chats(mc, mc_limit, rng) if held.allows(c)]
     for name, chats in sft.items():
-        counts[f"sft/{name}"] = write_jsonl(out / "sft" / f"{name}.jsonl", [c for c in chats if held.allows(c)])
+        counts[f"sft/{name}"] = write_jsonl(out / "sft" / f"{name}.jsonl", chats)
     return counts
 
 
