@@ -247,3 +247,13 @@ def test_refuses_to_run_without_isolation_unless_told(monkeypatch):
     assert run_python("block = bytearray(4 << 30)\n", SandboxConfig(allow_unsandboxed=True)).reason == "memory"
     monkeypatch.setenv(ALLOW_ENV, "1")
     assert run_program("print(1)\n")
+
+
+def test_an_interpreter_under_tmp_is_bound_back_over_the_private_tmp(monkeypatch):
+    """A checkout (and its virtual environment) under /tmp would vanish under the sandbox's private
+    /tmp and the interpreter could not start: the plan binds it back read-only."""
+    import tokenmind.sandbox as sandbox
+
+    monkeypatch.setattr(sandbox.sys, "prefix", "/tmp/checkout/.venv")
+    _, binds = sandbox._mount_plan("python3", "/tmp/work", switch_uid=False)
+    assert ("/tmp/checkout/.venv", False) in binds and ("/tmp/work", True) in binds

@@ -259,16 +259,18 @@ def _bwrap_command(config: SandboxConfig, barriers: list[str], binds: list, cwd:
     return cmd + ["--chdir", cwd, "--"]
 
 
+MASKED = ("/tmp", "/var/tmp", "/dev/shm")  # hidden under private tmpfs mounts inside the sandbox
+
+
 def _mount_plan(program: str, workdir: str | None, switch_uid: bool) -> tuple[list[str], list[tuple[str, bool]]]:
     """The host directories bound over the read-only root: (barriers, [(path, writable)]).
-    `workdir` is bound writable. When the program runs under a fresh uid, directories it needs
-    (this Python's prefixes, the program's own directory, `workdir`) may lie under an ancestor
-    others cannot enter (mode without o+x, like /root): that barrier is hidden under a tmpfs and
-    the needed paths are bound back read-only."""
+    `workdir` is bound writable. The directories the run needs (this Python's prefixes, the helper's
+    and the program's own directory) are bound back read-only when a private tmpfs hides them (a
+    checkout or virtual environment under /tmp) or, when the program runs under a fresh uid, when
+    an ancestor others cannot enter (mode without o+x, like /root) lies above them: that barrier is
+    hidden under a tmpfs."""
     binds = [(workdir, True)] if workdir else []
-    if not switch_uid:
-        return [], binds
-    needed = {sys.prefix, sys.base_prefix, sys.exec_prefix}
+    needed = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(HELPER)}
     found = shutil.which(program)
     if found:
         needed.add(os.path.dirname(os.path.realpath(found)))
@@ -277,10 +279,13 @@ def _mount_plan(program: str, workdir: str | None, switch_uid: bool) -> tuple[li
         if any(path.startswith(k + "/") for k in kept):
             continue
         kept.append(path)
-        if barrier := _barrier(path):
+        masked = any(path == m or path.startswith(m + "/") for m in MASKED)
+        barrier = _barrier(path) if switch_uid else None
+        if barrier:
             barriers.add(barrier)
+        if masked or barrier:
             binds.insert(0, (path, False))
-    if workdir and (barrier := _barrier(workdir)):
+    if switch_uid and workdir and (barrier := _barrier(workdir)):
         barriers.add(barrier)
     return sorted(barriers), binds
 
