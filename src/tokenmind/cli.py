@@ -327,6 +327,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-file", metavar="FILE", help="perplexity: a UTF-8 text file to score")
     p.add_argument("--seq-len", metavar="N", type=int, help="val_loss/perplexity window in tokens (default: 1024)")
     p.add_argument("--stride", metavar="N", type=int, help="perplexity: new tokens per window (default: seq-len / 2)")
+    p.add_argument("--judge", metavar="MODEL", help="chat: the model scoring fluency and preference "
+                   "(default: smollm2)")
+    p.add_argument("--chat-baseline", metavar="NAME|FILE", help="chat: earlier answers to compare with, judged "
+                   "pairwise (a packaged name such as cpu_v1, or a run's chat_answers.json)")
     p.add_argument("--log-samples", action="store_true", help="keep per-item predictions in the JSON")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars on stderr")
     p.set_defaults(func=cmd_eval)

@@ -188,11 +188,16 @@ def print_table(results: dict[str, Any]) -> None:
         table.add_column(column, justify="left" if column in ("task", "metric") else "right")
     for task, metrics in results["tasks"].items():
         names = [metrics["primary"]] + [k for k in ("acc", "acc_norm", "acc_per_token", "loss", "perplexity",
-                                                    "bits_per_byte") if k in metrics and k != metrics["primary"]]
+                                                    "bits_per_byte", "fluency_ratio", "mc_letter_starts")
+                                        if k in metrics and k != metrics["primary"]]
+        pref = metrics.get("preference") or {}
+        extra = {f"judge_{k}": pref[k] for k in ("win_rate", "corrected_win_rate", "position_bias") if k in pref}
+        metrics = {**metrics, **extra}
+        names += list(extra)
         n = metrics.get("n", metrics.get("tokens"))
         for i, name in enumerate(names):
             value = metrics[name]
-            shown = "-" if value is None else f"{value:.4f}"
+            shown = "-" if value is None else f"{value:.4f}" if isinstance(value, float) else str(value)
             if name == "acc" and "acc_stderr" in metrics:
                 shown += f" ± {metrics['acc_stderr']:.4f}"
             table.add_row(task if i == 0 else "", str(n) if i == 0 else "", name, shown,
