@@ -9,7 +9,7 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 
 # Bottom to top; a module may import its own layer and those below it. Listed by package prefix.
 LAYERS = [
-    ["tokenmind.config", "tokenmind.progress", "tokenmind.sandbox", "tokenmind.data"],  # nothing else of tokenmind
+    ["tokenmind.config", "tokenmind.jsonl", "tokenmind.progress", "tokenmind.sandbox", "tokenmind.data"],  # nothing else of tokenmind
     ["tokenmind.tokenizer"],
     ["tokenmind.model"],
     ["tokenmind.engine"],

@@ -31,7 +31,7 @@ from tokenmind.posttrain import load_sft_config, sft
 from tokenmind.posttrain.sft import load_start
 from tokenmind.model.load import load_model
 from tokenmind.train import pretrain, save_resolved
-from tokenmind.train.metrics import read_jsonl
+from tokenmind.jsonl import read_jsonl
 
 
 @pytest.fixture(scope="module")

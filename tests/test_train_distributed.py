@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from test_train_helpers import one_thread, pretrainer, tiny_config, write_shards  # noqa: F401 (one_thread: autouse)
 
 from tokenmind.train import pretrain
-from tokenmind.train.metrics import read_jsonl
+from tokenmind.jsonl import read_jsonl
 
 STEPS = ["--train.steps=4", "--train.checkpoint_every=2"]
 MUON = ["--optim.name=muon", "--optim.muon_lr=0.02"]

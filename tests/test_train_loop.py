@@ -14,7 +14,8 @@ from tokenmind.model.checkpoint import load_hf_dir
 from tokenmind.model.config import ModelConfig
 from tokenmind.train import NextTokenObjective, TrainingDiverged, load_config, pretrain, save_resolved
 from tokenmind.train.checkpoint import latest_checkpoint
-from tokenmind.train.metrics import flops_per_token, read_jsonl
+from tokenmind.jsonl import read_jsonl
+from tokenmind.train.metrics import flops_per_token
 from tokenmind.train.objectives import token_loss
 
 

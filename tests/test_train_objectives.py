@@ -18,7 +18,7 @@ from tokenmind.model.config import ModelConfig
 from tokenmind.model.transformer import Transformer
 from tokenmind.train import LossTerms, NextTokenObjective, Trainer, load_config
 from tokenmind.train.distributed import init_distributed
-from tokenmind.train.metrics import read_jsonl
+from tokenmind.jsonl import read_jsonl
 from tokenmind.train.objectives import autocast
 
 VOCAB = 32

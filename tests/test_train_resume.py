@@ -28,7 +28,7 @@ from tokenmind.train.checkpoint import (
     save_checkpoint,
 )
 from tokenmind.train.distributed import DistContext
-from tokenmind.train.metrics import read_jsonl
+from tokenmind.jsonl import read_jsonl
 
 
 @pytest.fixture(scope="module")

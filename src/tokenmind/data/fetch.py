@@ -25,7 +25,6 @@ pre-training documents are decontaminated against every evaluation item.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.util
 import json
@@ -39,9 +38,10 @@ import warnings
 from collections.abc import Iterable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 from urllib.parse import unquote
 
+from tokenmind.jsonl import atomic_open
 from tokenmind.data.sources import SOURCES, Source, resolve
 
 __all__ = ["FetchError", "default_cache_dir", "download", "fetch", "LOCK_PATH", "SOURCES"]
@@ -184,7 +184,7 @@ def _write_lock(lock: dict, path: Path | None) -> None:
         return
     lock["packages"] = dict(sorted(lock["packages"].items()))
     try:
-        with _atomic_open(Path(path)) as fh:
+        with atomic_open(Path(path)) as fh:
             json.dump(lock, fh, indent=2)
             fh.write("\n")
     except OSError as err:
@@ -192,24 +192,6 @@ def _write_lock(lock: dict, path: Path | None) -> None:
 
 
 # ------------------------------------------------------------------------------- extraction
-
-
-@contextlib.contextmanager
-def _atomic_open(path: Path) -> Iterator[IO[str]]:
-    """Write to a temp file next to `path`, then rename it over `path`; nothing half-written stays."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            yield fh
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file normal permissions
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 def _chars(record: dict[str, Any], kind: str) -> int:
@@ -228,7 +210,7 @@ def extract(source: Source, archive: Path, out_path: Path, *, min_chars: int = 1
     """
     stats = {"docs": 0, "chars": 0, "duplicates": 0, "too_short": 0, "contaminated": 0}
     seen: set[bytes] = set()
-    with _atomic_open(out_path) as fh:
+    with atomic_open(out_path) as fh:
         for record in source.extractor(archive):
             if source.kind != "eval":
                 key = record["text"] if source.kind == "pretrain" else json.dumps(record["messages"])
@@ -343,7 +325,7 @@ def fetch(
     manifest["updated"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     manifest["out_dir"] = str(out_dir)
     manifest["sources"] = dict(sorted(manifest["sources"].items(), key=lambda kv: (_KIND_ORDER[kv[1]["kind"]], kv[0])))
-    with _atomic_open(manifest_path) as fh:
+    with atomic_open(manifest_path) as fh:
         json.dump(manifest, fh, indent=2)
         fh.write("\n")
     if print_summary:

@@ -20,7 +20,6 @@ definition), whose facts the model may only know from pre-training text. `check_
 
 from __future__ import annotations
 
-import json
 import random
 import re
 from collections.abc import Iterable, Iterator
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..eval.chat_quality import load_chat_prompts
+from ..jsonl import read_jsonl, write_jsonl
 from .distill import corpus_path, load_synthetic
 
 Record = dict[str, Any]
@@ -244,22 +244,6 @@ def teacher_chats(kind: str) -> list[Record]:
 
 def teacher_documents(kind: str) -> list[Record]:
     return [{"id": f"{kind}-{r['id']}", "text": r["response"]} for r in load_synthetic(corpus_path(kind))]
-
-
-def read_jsonl(path: Path) -> list[Record]:
-    with open(path, encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
-
-
-def write_jsonl(path: Path, records: Iterable[Record]) -> int:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp, n = path.with_name(path.name + ".tmp"), 0
-    with open(tmp, "w", encoding="utf-8") as fh:
-        for r in records:
-            fh.write(json.dumps(r, ensure_ascii=False) + "\n")
-            n += 1
-    tmp.replace(path)
-    return n
 
 
 def build_chat_mix(data_dir: str | Path, out_dir: str | Path, mc_limit: int = 1000, fact_repeats: int = 3,

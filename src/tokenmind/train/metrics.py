@@ -35,6 +35,7 @@ from matplotlib.figure import Figure
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from tokenmind.jsonl import read_jsonl
 from tokenmind.model.config import ModelConfig
 
 # (device-name substring, dense bf16 peak, fp32 peak) FLOP/s per device. The CPU numbers are this
@@ -69,13 +70,6 @@ def mfu(tokens_per_s: float, flops_token: float, peak_flops: float | None, world
     return tokens_per_s * flops_token / (peak_flops * world_size)
 
 
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    path = Path(path)
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-
-
 class MetricsLogger:
     """Appends step records to a JSONL file and shows progress. Disabled (no file, no output)
     on ranks other than 0."""
@@ -89,7 +83,7 @@ class MetricsLogger:
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        kept = [r for r in read_jsonl(self.path) if r.get("step", 0) <= start_step]
+        kept = [r for r in read_jsonl(self.path, missing_ok=True) if r.get("step", 0) <= start_step]
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
         tmp.replace(self.path)
@@ -136,7 +130,7 @@ class MetricsLogger:
 
 def plot_loss(jsonl_path: str | Path, png_path: str | Path) -> Path:
     """Train loss per step (line) and val loss (points) from a metrics JSONL, as a PNG."""
-    records = read_jsonl(jsonl_path)
+    records = read_jsonl(jsonl_path, missing_ok=True)
     train = [(r["step"], r["loss"]) for r in records if "loss" in r and math.isfinite(r["loss"])]
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     figure = Figure(figsize=(8, 4.5), layout="tight")  # no pyplot: no global figure state
