@@ -11,6 +11,7 @@ fails when the speedrun config loads, not minutes later when its stage starts.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
@@ -256,7 +257,7 @@ def chat_quality(cfg: SpeedrunConfig, pre_dir: Path, sft_dir: Path, out: Path) -
     final = load_model(sft_dir / "final")
     points = [("pre-trained", load_model(pre_dir / "final").model)]
     for ckpt in list_checkpoints(sft_dir / "checkpoints")[:-1]:  # the last one is the final model
-        model = load_model(sft_dir / "final").model
+        model = copy.deepcopy(final.model)
         model.load_state_dict(load_checkpoint_weights(ckpt))
         points.append((f"SFT step {int(ckpt.name.split('_')[1])}", model))
     curve = []
