@@ -44,3 +44,22 @@ def test_a_few_sft_steps_on_smollm2_lower_the_loss_and_export_a_chat_model(tmp_p
     reply = "".join(ChatSession(tuned, SamplingParams(max_tokens=16, temperature=0)).send(
         "What is the capital of France?"))
     assert "Paris" in reply
+
+
+@pytest.mark.parametrize("quantize", ["", "int4"])
+def test_lora_and_qlora_on_smollm2_train_adapters_that_load_and_chat(tmp_path: Path, quantize: str) -> None:
+    """LoRA over the fp32 base, and QLoRA over the GGUF's Q4 blocks copied into the int4 kernel."""
+    files = write_chats(tmp_path / "chats.jsonl", CHATS)
+    cfg = load_sft_config(None, ["--sft.init_from=smollm2", f"--data.files={files}", "--data.seq_len=128",
+                                 "--data.batch_size=2", "--data.val_fraction=0", "--optim.lr=1e-3",
+                                 "--schedule.name=constant", "--schedule.warmup_steps=0", "--train.steps=3",
+                                 "--train.precision=bf16", "--lora.rank=8", "--lora.targets=[q_proj,v_proj]",
+                                 f"--lora.quantize={quantize}", f"--train.out_dir={tmp_path / 'run'}"])
+    result = sft(cfg)
+    assert result.losses[-1] < result.losses[0]
+    final = result.final_model_path
+    assert (final / "adapter_model.safetensors").stat().st_size < 2_000_000  # the adapter, not the 135M base
+    tuned = load_model(tmp_path / "run")
+    reply = "".join(ChatSession(tuned, SamplingParams(max_tokens=16, temperature=0)).send(
+        "What is the capital of France?"))
+    assert "Paris" in reply

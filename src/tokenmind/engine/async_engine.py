@@ -100,13 +100,14 @@ class AsyncEngine:
     # ----------------------------------------------------------------- the asyncio side
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream one request's outputs until it finishes; leaving the loop early aborts it."""
+                       request_id: str | None = None, adapter: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs until it finishes (with LoRA `adapter`, if named); leaving
+        the loop early aborts it."""
         request_id = uuid.uuid4().hex if request_id is None else request_id
         loop, outputs = asyncio.get_running_loop(), asyncio.Queue()
 
         def add() -> None:
-            self.engine.add_request(prompt, params, request_id)
+            self.engine.add_request(prompt, params, request_id, adapter)
             self._streams[request_id] = (loop, outputs)
 
         try:

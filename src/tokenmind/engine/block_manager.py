@@ -87,7 +87,7 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return []
-        bs, matched, key = self.block_size, [], None
+        bs, matched, key = self.block_size, [], seq.cache_salt
         for i in range((seq.num_tokens - 1) // bs):
             key = block_hash(key, seq.token_ids[i * bs:(i + 1) * bs])
             block = self.cached.get(key)
@@ -156,7 +156,7 @@ class BlockManager:
             block = seq.block_table[i]
             if self.block_keys[block] is not None:  # a shared or cache-hit block, keyed already
                 continue
-            prev = self.block_keys[seq.block_table[i - 1]] if i else None
+            prev = self.block_keys[seq.block_table[i - 1]] if i else seq.cache_salt
             key = block_hash(prev, seq.token_ids[i * bs:(i + 1) * bs])
             self.block_keys[block] = key
             self.cached.setdefault(key, block)  # a twin computed concurrently keeps serving the key

@@ -128,9 +128,13 @@ class Engine:
         return [int(t) for t in prompt]
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Queue a request; returns its id. Requests that could never run are rejected here."""
+                    request_id: str | None = None, adapter: str | None = None) -> str:
+        """Queue a request; returns its id. Requests that could never run are rejected here.
+        adapter: one of the model's LoRA adapters to run it with (None: the base model)."""
         params = params or SamplingParams()
+        if adapter is not None and adapter not in self.runner.adapters:
+            raise ValueError(f"unknown LoRA adapter {adapter!r}; this engine's model has "
+                             f"{', '.join(self.runner.adapters) or 'none'}")
         ids = self.encode(prompt)
         request_id = str(next(self._next_id)) if request_id is None else request_id
         if request_id in self.requests:
@@ -138,6 +142,7 @@ class Engine:
         max_len = self.check_request(ids, params)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         seq = Sequence(request_id, ids, params, stop_ids, max_len, device=self.runner.device)
+        seq.adapter = adapter
         seq.stream = self._new_stream(params)
         if self.config.speculative is not None:
             seq.spec_k = self.config.speculative.num_speculative_tokens

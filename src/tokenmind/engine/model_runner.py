@@ -6,7 +6,8 @@ back in one row (1, N) with their positions; `PagedAttentionMetadata` tells atte
 token's k/v goes (slot = block * block_size + offset, from the sequence's block table) and which
 blocks each sequence reads. The LM head then runs only on the rows someone needs: the last token
 of a chunk that completes its sequence's pending tokens (to sample from), every token of a
-verification chunk, none of a mid-prompt chunk.
+verification chunk, none of a mid-prompt chunk. A model with LoRA adapters (`model/lora.py`)
+gets each token's adapter index, so requests for different adapters share the step.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model.lora import adapter_names, routing_of
 from ..model.paged_attention import PagedAttentionMetadata, PagedKVCache
 from ..model.transformer import Transformer
 from .sequence import Sequence
@@ -38,6 +40,8 @@ class ModelRunner:
         weight = model.embed_tokens.weight
         self.device, self.block_size = weight.device, block_size
         self.kv_cache = PagedKVCache(model.cfg, num_blocks, block_size, dtype=weight.dtype, device=weight.device)
+        self.adapters = adapter_names(model)  # the LoRA adapters a request may name
+        self.routing = routing_of(model)
 
     def prepare(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, PagedAttentionMetadata, list[int]]:
         """(input_ids (1, N), positions (1, N), metadata, the rows whose logits are wanted)."""
@@ -69,9 +73,17 @@ class ModelRunner:
         """Compute the chunks' k/v; return (R, V) float32 logits of the wanted rows, in chunk order,
         and each chunk's first row among them."""
         input_ids, positions, meta, rows = self.prepare(chunks)
-        with torch.inference_mode():
-            hidden = self.model.hidden_states(input_ids, positions, meta, self.kv_cache)
-            logits = self.model.logits(hidden[0, rows]).float() if rows else hidden.new_empty(0, 0)
+        if self.adapters:
+            index = {name: i for i, name in enumerate(self.adapters)}
+            self.routing.names = self.adapters
+            self.routing.rows = torch.tensor([index.get(c.seq.adapter, -1) for c in chunks for _ in c.token_ids],
+                                             device=self.device)
+        try:
+            with torch.inference_mode():
+                hidden = self.model.hidden_states(input_ids, positions, meta, self.kv_cache)
+                logits = self.model.logits(hidden[0, rows]).float() if rows else hidden.new_empty(0, 0)
+        finally:
+            self.routing.rows = None
         offsets, at = [], 0
         for chunk in chunks:
             offsets.append(at)

@@ -58,6 +58,7 @@ class Sequence:
         self.spec_state: Any = None
         self.draft: Any = None
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
+        self.adapter: str | None = None  # the LoRA adapter this request runs with (None: the base model)
         self.first_scheduled_time: float | None = None  # when it first left the queue
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
@@ -103,7 +104,14 @@ class Sequence:
         child.num_prompt_tokens = self.num_prompt_tokens
         child.num_computed_tokens, child.num_cached_tokens = self.num_computed_tokens, self.num_cached_tokens
         child.status, child.first_scheduled_time = self.status, self.first_scheduled_time
+        child.adapter = self.adapter
         return child
+
+    @property
+    def cache_salt(self) -> bytes | None:
+        """What a prefix-cache key starts from besides the tokens: k/v computed under one LoRA
+        adapter differ from the same tokens' under another."""
+        return None if self.adapter is None else b"lora:" + self.adapter.encode()
 
     @property
     def queue_s(self) -> float | None:

@@ -4,10 +4,12 @@ HF directories out. Weights are only ever read through safetensors/GGUF, never `
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -132,26 +134,31 @@ def load_hf_dir(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Tr
     cfg = ModelConfig.from_hf(hf_cfg)
     return build_model(cfg, read_hf_state_dict(model_dir), source=str(model_dir), dtype=dtype)
 
-def save_hf_dir(model: Transformer, out_dir: str | Path, tokenizer=None) -> Path:
-    """Write config.json + model.safetensors (+ the tokenizer's files) so `transformers` loads it.
-
-    Written into a temporary sibling directory and renamed into place, so an interrupted save
-    never leaves a half checkpoint under the final name.
-    """
+@contextlib.contextmanager
+def atomic_directory(out_dir: str | Path) -> Iterator[Path]:
+    """Yield a temporary sibling of `out_dir` to fill; on success it replaces `out_dir`, on any
+    error it is removed: an interrupted save never leaves a half-written directory under the name."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        cfg = model.cfg
-        (tmp / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")
-        tensors = {k: v.detach().to(torch.float32).contiguous() for k, v in to_hf_state_dict(model).items()}
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        if tokenizer is not None:
-            tokenizer.save(tmp)
+        yield tmp
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out_dir
+
+
+def save_hf_dir(model: Transformer, out_dir: str | Path, tokenizer=None) -> Path:
+    """Write config.json + model.safetensors (+ the tokenizer's files) so `transformers` loads
+    it, atomically (`atomic_directory`)."""
+    with atomic_directory(out_dir) as tmp:
+        cfg = model.cfg
+        (tmp / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")
+        tensors = {k: v.detach().to(torch.float32).contiguous() for k, v in to_hf_state_dict(model).items()}
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+    return Path(out_dir)

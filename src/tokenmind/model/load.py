@@ -17,6 +17,7 @@ import torch
 from ..tokenizer import Tokenizer
 from .checkpoint import build_model, load_hf_dir, save_hf_dir
 from .config import ModelConfig
+from .lora import is_adapter_dir, load_adapter, merge_lora, read_adapter_config
 from .quant import quantize_from_gguf, quantize_model
 from .transformer import Transformer
 
@@ -33,8 +34,10 @@ def resolve_model_path(ref: str | Path) -> Path:
     """Turn a `--model` value into a path: an existing dir/file (a run directory stands for its
     `final/` export), or a packaged alias."""
     path = Path(ref).expanduser()
-    if path.is_dir() and not (path / "config.json").is_file() and (path / "final" / "config.json").is_file():
-        return path / "final"
+    final = path / "final"
+    if path.is_dir() and not (path / "config.json").is_file() and not is_adapter_dir(path) and (
+            (final / "config.json").is_file() or is_adapter_dir(final)):
+        return final
     if path.exists():
         return path
     if str(ref) in ALIASES:
@@ -99,6 +102,8 @@ def load_model(ref: str | Path, dtype: torch.dtype | str = torch.float32, quanti
             raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
         dtype = DTYPES[dtype]
     path = resolve_model_path(ref)
+    if path.is_dir() and is_adapter_dir(path):
+        return _load_with_adapter(path, dtype, quantize, tokenizer)
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"{path}: a model file must be .gguf; for safetensors give the directory holding "
@@ -119,6 +124,27 @@ def load_model(ref: str | Path, dtype: torch.dtype | str = torch.float32, quanti
     if quantize is not None:
         quantize_model(model, quantize)  # every linear still in float (all of them unless GGUF blocks were copied)
     return Pretrained(model, tok, path)
+
+
+def _load_with_adapter(path: Path, dtype: torch.dtype, quantize: str | None,
+                       tokenizer: str | Path | None) -> Pretrained:
+    """A PEFT LoRA adapter directory: its base (`base_model_name_or_path`) with the adapter merged
+    in, or kept as a separate low-rank path over a quantized base (QLoRA)."""
+    base_ref = read_adapter_config(path).get("base_model_name_or_path") or ""
+    if not base_ref:
+        raise ValueError(f"{path}/adapter_config.json names no base_model_name_or_path; set it to the base "
+                         "model's directory, .gguf file or alias")
+    if tokenizer is None and (path / "tokenizer.json").is_file():
+        tokenizer = path
+    try:
+        base = load_model(base_ref, dtype, quantize, tokenizer=tokenizer)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{path}: its base model {base_ref!r} cannot be loaded ({e}); edit "
+                                "base_model_name_or_path in adapter_config.json") from e
+    load_adapter(base.model, path)
+    if quantize is None:
+        merge_lora(base.model)
+    return Pretrained(base.model.eval(), base.tokenizer, path)
 
 
 def save_model(pretrained: Pretrained, out_dir: str | Path) -> Path:

@@ -90,7 +90,8 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).to(self.compute_dtype)
-        if 0 < x2.shape[0] <= self.kernel_max_rows:
+        # the fused kernels have no backward: a QLoRA step needing the input's gradient takes the dequantized path
+        if 0 < x2.shape[0] <= self.kernel_max_rows and not (x2.requires_grad and torch.is_grad_enabled()):
             if self.padded_in != self.in_features:
                 x2 = F.pad(x2, (0, self.padded_in - self.in_features))
             y = self._kernel(x2.contiguous())

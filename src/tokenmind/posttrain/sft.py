@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenmind.config import Overrides, load_config
-from tokenmind.model.load import Pretrained, load_model
+from tokenmind.model.load import QUANTIZATIONS, Pretrained, load_model
+from tokenmind.model.lora import TARGETS, LoRAConfig, add_lora
 from tokenmind.model.transformer import Transformer
 from tokenmind.train.config import OptimSection, ScheduleSection, TrainSection, check_schedule_fits
 from tokenmind.train.distributed import DistContext, init_distributed
@@ -81,6 +82,34 @@ class ChatDataSection:
 
 
 @dataclass
+class LoRASection:
+    """Parameter-efficient fine-tuning (`model/lora.py`). rank 0 trains every weight; rank > 0
+    freezes the model and trains LoRA adapters on `targets` (HF module names), exported as a PEFT
+    adapter directory that names init_from as its base. quantize: "int8" or "int4" keeps the
+    frozen base quantized (QLoRA; a GGUF's Q4 blocks stay as they are). Adapters want a larger
+    lr than full fine-tuning (1e-4 to 1e-3)."""
+
+    rank: int = 0
+    alpha: float = 32.0
+    dropout: float = 0.05
+    targets: list[str] = field(default_factory=lambda: list(TARGETS))
+    quantize: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.quantize not in (None, "", *QUANTIZATIONS):
+            raise ValueError(f"lora.quantize={self.quantize!r}: choose one of {', '.join(QUANTIZATIONS)}, or leave it "
+                             "unset for a float base")
+        if self.rank:
+            self.adapter_config()  # fails now on bad targets, alpha or dropout
+        if self.quantize and not self.rank:
+            raise ValueError(f"lora.quantize={self.quantize!r} needs lora.rank > 0 (a quantized base only trains "
+                             "through adapters)")
+
+    def adapter_config(self) -> LoRAConfig:
+        return LoRAConfig(rank=self.rank, alpha=self.alpha, dropout=self.dropout, targets=list(self.targets))
+
+
+@dataclass
 class SFTOptimSection(OptimSection):
     """`OptimSection` with fine-tuning defaults (TRL's): a small lr and no weight decay, since
     the starting weights are worth keeping rather than shrinking toward zero."""
@@ -102,6 +131,7 @@ class SFTConfig:
 
     sft: SFTSection = field(default_factory=SFTSection)
     data: ChatDataSection = field(default_factory=ChatDataSection)
+    lora: LoRASection = field(default_factory=LoRASection)
     optim: SFTOptimSection = field(default_factory=SFTOptimSection)
     schedule: ScheduleSection = field(default_factory=ScheduleSection)
     train: SFTTrainSection = field(default_factory=SFTTrainSection)
@@ -115,12 +145,23 @@ def load_sft_config(path: str | Path | None = None, overrides: Overrides = ()) -
     return load_config(SFTConfig, path, overrides)
 
 
-def load_start(sft: SFTSection) -> Pretrained:
-    """The model and tokenizer `sft` names; a run folder stands for its `final/` export."""
+def load_start(sft: SFTSection, lora: LoRASection | None = None) -> Pretrained:
+    """The model and tokenizer `sft` names (a run folder stands for its `final/` export), with
+    fresh LoRA adapters on a frozen (possibly quantized) copy when lora.rank > 0."""
     if not sft.init_from:
         raise ValueError("sft.init_from is not set; pass --sft.init_from=MODEL (a run's final/, an HF "
                          "directory, a .gguf file or an alias such as smollm2)")
-    return load_model(sft.init_from, tokenizer=sft.tokenizer or None)
+    lora = lora or LoRASection()
+    start = load_model(sft.init_from, tokenizer=sft.tokenizer or None, quantize=lora.quantize or None)
+    if lora.rank:
+        add_lora(start.model, lora.adapter_config())
+    return start
+
+
+def adapter_base(init_from: str) -> str:
+    """How an adapter records its base: an absolute path, or the alias as given."""
+    path = Path(init_from).expanduser()
+    return str(path.resolve()) if path.exists() else init_from
 
 
 def chat_data(data: ChatDataSection, start: Pretrained) -> ChatData:
@@ -164,7 +205,7 @@ def add_stop_ids(model: Transformer, stops: set[int]) -> None:
 def build_sft_trainer(cfg: SFTConfig, ctx: DistContext) -> Trainer:
     """The `Trainer` of an SFT run: chat loaders and the model `cfg.sft.init_from` names, for
     next-token loss on assistant tokens. Writes the data's statistics to out_dir/sft_data.json."""
-    start = load_start(cfg.sft)
+    start = load_start(cfg.sft, cfg.lora)
     data, out_dir = cfg.data, Path(cfg.train.out_dir)
     chats = chat_data(data, start)
     loader, val_loader = chat_loaders(chats, data, ctx)
@@ -177,7 +218,8 @@ def build_sft_trainer(cfg: SFTConfig, ctx: DistContext) -> Trainer:
         warnings.warn(f"{stats['truncated']} of {stats['conversations']} conversations are longer than "
                       f"data.seq_len={data.seq_len} and were truncated (see {out_dir / 'sft_data.json'})")
     add_stop_ids(start.model, start.tokenizer.eos_token_ids | chats.turn_end_ids)
-    return Trainer(cfg, ctx, start.model, loader, val_loader, tokenizer=start.tokenizer)
+    return Trainer(cfg, ctx, start.model, loader, val_loader, tokenizer=start.tokenizer,
+                   adapter_base=adapter_base(cfg.sft.init_from))
 
 
 def sft(cfg: SFTConfig) -> TrainResult:

@@ -31,6 +31,7 @@ from pydantic import BaseModel, ValidationError
 from ..engine.async_engine import AsyncEngine, EngineFailed, EngineStopped
 from ..engine.sampling import SamplingParams
 from ..model.load import Pretrained, load_model
+from ..model.lora import is_adapter_dir, load_adapter, routing_of
 from .admission import Admission
 from .config import ServeConfig
 from .errors import APIError, install_error_handlers
@@ -49,8 +50,9 @@ CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection firs
 class Prepared:
     """A parsed, tokenized request that the engine will accept."""
 
-    def __init__(self, body: SamplingRequest, prompts: list[list[int]], params: SamplingParams, fmt: ResponseFormat):
-        self.body, self.prompts, self.params, self.fmt = body, prompts, params, fmt
+    def __init__(self, body: SamplingRequest, prompts: list[list[int]], params: SamplingParams, fmt: ResponseFormat,
+                 adapter: str | None):
+        self.body, self.prompts, self.params, self.fmt, self.adapter = body, prompts, params, fmt, adapter
 
 
 class Service:
@@ -115,10 +117,18 @@ class Service:
 
     # ----------------------------------------------------------------- request → token ids (worker thread)
 
-    def check_model(self, model: str) -> None:
-        if model != self.model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r} "
+    @property
+    def model_names(self) -> list[str]:
+        """The base model's name, then its LoRA adapters' (what a request's `model` may be)."""
+        return [self.model_name, *self.config.lora]
+
+    def check_model(self, model: str) -> str | None:
+        """The LoRA adapter a request's `model` names (None: the base model), or a 404."""
+        if model not in self.model_names:
+            served = ", ".join(repr(m) for m in self.model_names)
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {served} "
                                 "(see GET /v1/models)", param="model", code="model_not_found")
+        return None if model == self.model_name else model
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         messages = [m.for_template() for m in body.messages]
@@ -156,13 +166,13 @@ class Service:
     def prepare(self, raw: bytes, content_type: str | None, kind: type[SamplingRequest]) -> Prepared:
         """Body bytes → a request the engine accepts, or an `APIError` naming what is wrong. Blocking."""
         body = parse_body(raw, content_type, kind)
-        self.check_model(body.model)
+        adapter = self.check_model(body.model)
         if isinstance(body, ChatCompletionRequest):
             prompts, param = [self.chat_prompt(body)], "messages"
-            fmt: ResponseFormat = ChatFormat(self.model_name, self.tokenizer, body.include_usage)
+            fmt: ResponseFormat = ChatFormat(body.model, self.tokenizer, body.include_usage)
         else:
             prompts, param = [self.completion_prompt(p) for p in body.prompts()], "prompt"
-            fmt = CompletionFormat(self.model_name, self.tokenizer, body.include_usage)
+            fmt = CompletionFormat(body.model, self.tokenizer, body.include_usage)
         try:
             params = body.sampling_params(self.max_tokens(body, prompts, param))
         except ValueError as e:
@@ -172,7 +182,7 @@ class Service:
                 self.ready().check_request(ids, params)
             except ValueError as e:
                 raise APIError(400, str(e), param=param) from e
-        return Prepared(body, prompts, params, fmt)
+        return Prepared(body, prompts, params, fmt, adapter)
 
     # ----------------------------------------------------------------- request → response
 
@@ -182,7 +192,8 @@ class Service:
         self.admission.check(1)  # a full server refuses before reading or parsing anything
         raw = await request.body()
         prep = await asyncio.to_thread(self.prepare, raw, request.headers.get("content-type"), kind)
-        gen = Generation(self.ready(), self.admission, self.metrics, prep.prompts, prep.params, uuid.uuid4().hex)
+        gen = Generation(self.ready(), self.admission, self.metrics, prep.prompts, prep.params, uuid.uuid4().hex,
+                         prep.adapter)
         if prep.body.stream:
             return EventStream(gen, prep.fmt, self.config.heartbeat_interval, self.failure)
         try:
@@ -248,6 +259,17 @@ def load_off_main_thread(config: ServeConfig) -> Pretrained:
         return pool.submit(load_model, config.model, dtype=config.dtype, quantize=config.quantization).result()
 
 
+def attach_adapters(pretrained: Pretrained, adapters: dict[str, str]) -> None:
+    """Add each LoRA adapter (name → PEFT directory) to the model, none active: each request
+    picks one (or none) by its `model`, and one batch mixes them."""
+    for name, path in adapters.items():
+        if not is_adapter_dir(path):
+            raise FileNotFoundError(f"--lora {name}={path}: no adapter_config.json there; give a PEFT LoRA adapter "
+                                    "directory (e.g. an SFT run's final/ trained with --lora.rank)")
+        load_adapter(pretrained.model, path, name=name)
+    routing_of(pretrained.model).active = None
+
+
 def build_app(config: ServeConfig, pretrained: Pretrained | None = None) -> FastAPI:
     """The ASGI app serving `config.model` (or an already loaded `pretrained`, e.g. in tests or notebooks).
 
@@ -255,6 +277,7 @@ def build_app(config: ServeConfig, pretrained: Pretrained | None = None) -> Fast
     """
     if pretrained is None:
         pretrained = load_off_main_thread(config)
+    attach_adapters(pretrained, config.lora)
     service = Service(config, pretrained)
 
     @contextlib.asynccontextmanager
@@ -296,12 +319,12 @@ def build_app(config: ServeConfig, pretrained: Pretrained | None = None) -> Fast
 
     @app.get("/v1/models")
     async def list_models() -> dict:
-        return {"object": "list", "data": [_model_card(service)]}
+        return {"object": "list", "data": [_model_card(service, name) for name in service.model_names]}
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> dict:
         service.check_model(model_id)
-        return _model_card(service)
+        return _model_card(service, model_id)
 
     @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
@@ -366,6 +389,8 @@ def _document_request_bodies(app: FastAPI, *models: type[BaseModel]) -> None:
     app.openapi = openapi
 
 
-def _model_card(service: Service) -> dict:
-    return {"id": service.model_name, "object": "model", "created": 0, "owned_by": "tokenmind",
-            "max_model_len": service.max_model_len}
+def _model_card(service: Service, name: str) -> dict:
+    card = {"id": name, "object": "model", "created": 0, "owned_by": "tokenmind", "max_model_len": service.max_model_len}
+    if name != service.model_name:  # a LoRA adapter over the base model, as vLLM lists them
+        card.update(root=str(service.config.lora[name]), parent=service.model_name)
+    return card

@@ -38,6 +38,7 @@ class ServeConfig:
     port: int = 8000
     api_key: str | None = None  # if set, /v1/* and /metrics need `Authorization: Bearer <api_key>`
     served_model_name: str | None = None  # the `model` clients send; None = derived from `model`
+    lora: dict[str, str] = field(default_factory=dict)  # LoRA adapters: the `model` name a request uses → PEFT dir
     dtype: str = "float32"  # weight and KV cache dtype: float32, bfloat16, float16
     kv_cache_bytes: int | None = None  # KV block pool size; None = the engine's share of free memory
     max_num_seqs: int = 64  # sequences decoded together in one engine step
@@ -78,6 +79,10 @@ class ServeConfig:
         if self.max_body_bytes is not None and self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024 (a chat request needs a few hundred bytes), "
                              f"got {self.max_body_bytes}")
+        clash = sorted(set(self.lora) & {self.model_name})
+        if clash or any(not name or not path for name, path in self.lora.items()):
+            raise ValueError(f"every LoRA adapter needs a name other than the base model's ({self.model_name!r}) "
+                             f"and a path, as --lora NAME=PATH; got {self.lora}")
         if self.quantization not in (None, *QUANTIZATIONS):
             raise ValueError(f"quantization={self.quantization!r}: choose one of {', '.join(QUANTIZATIONS)} "
                              "or leave it unset for float weights")

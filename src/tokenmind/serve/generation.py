@@ -44,7 +44,7 @@ class Generation:
     """The engine requests of one HTTP request. Create (which admits it), iterate `deltas()`, always `close()`."""
 
     def __init__(self, engine: AsyncEngine, admission: Admission, metrics: Metrics, prompts: list[list[int]],
-                 params: SamplingParams, request_id: str):
+                 params: SamplingParams, request_id: str, adapter: str | None = None):
         self.request_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         admission.admit(self.request_ids)  # 429 / 503 before any work starts
         self.admission, self.metrics, self.n = admission, metrics, params.n
@@ -54,7 +54,7 @@ class Generation:
         self._queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
         self._seen: set[int] = set()
         self._remaining = len(prompts)
-        self._tasks = [asyncio.create_task(self._pump(i, engine.generate(ids, params, rid)))
+        self._tasks = [asyncio.create_task(self._pump(i, engine.generate(ids, params, rid, adapter)))
                        for i, (ids, rid) in enumerate(zip(prompts, self.request_ids))]
 
     async def _pump(self, prompt: int, stream: AsyncIterator[RequestOutput]) -> None:

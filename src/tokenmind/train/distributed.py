@@ -20,6 +20,7 @@ MASTER_ADDR, MASTER_PORT) drives initialization; gloo serves CPU and nccl CUDA.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -150,10 +151,12 @@ def _options(ctx: DistContext, loading: bool) -> StateDictOptions:
     return StateDictOptions(full_state_dict=True, cpu_offload=not loading, broadcast_from_rank0=loading)
 
 
-def model_state(model: nn.Module, ctx: DistContext) -> dict[str, torch.Tensor]:
-    """Full model state keyed by parameter name, on CPU (on rank 0 only under fsdp). Collective."""
+def model_state(model: nn.Module, ctx: DistContext, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """Full model state keyed by parameter name, on CPU (on rank 0 only under fsdp). Collective.
+    trainable_only: just the parameters that train (a LoRA run's adapters, not its frozen base)."""
     state = get_model_state_dict(model, options=_options(ctx, loading=False))
-    return {name: tensor.detach().cpu() for name, tensor in state.items()}
+    keep = {name for name, p in model.named_parameters() if p.requires_grad} if trainable_only else state
+    return {name: tensor.detach().cpu() for name, tensor in state.items() if name in keep}
 
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> dict[str, Any]:
@@ -161,9 +164,10 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: Dis
     return get_optimizer_state_dict(model, optimizer, options=_options(ctx, loading=False))
 
 
-def load_model_state(model: nn.Module, state: dict[str, torch.Tensor], ctx: DistContext) -> None:
-    """Inverse of `model_state`; under fsdp only rank 0's `state` is read."""
-    set_model_state_dict(model, state, options=_options(ctx, loading=True))
+def load_model_state(model: nn.Module, state: dict[str, torch.Tensor], ctx: DistContext, strict: bool = True) -> None:
+    """Inverse of `model_state` (strict=False for a trainable-only state); under fsdp only rank 0's
+    `state` is read."""
+    set_model_state_dict(model, state, options=dataclasses.replace(_options(ctx, loading=True), strict=strict))
 
 
 def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],

@@ -154,8 +154,8 @@ def build_optimizer(model: nn.Module, cfg: OptimSection) -> torch.optim.Optimize
     roles = param_roles(model)
     params = dict(model.named_parameters())
 
-    def select(*wanted: str) -> list[nn.Parameter]:
-        return [params[name] for name, role in roles.items() if role in wanted]
+    def select(*wanted: str) -> list[nn.Parameter]:  # frozen parameters (a LoRA base) are left out
+        return [params[name] for name, role in roles.items() if role in wanted and params[name].requires_grad]
 
     adam = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
     if cfg.name == "adamw":

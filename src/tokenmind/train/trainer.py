@@ -48,6 +48,7 @@ from tokenmind.data.loader import LoaderConfig, PackedLoader
 from tokenmind.data.shards import TokenShards
 from tokenmind.model.checkpoint import save_hf_dir
 from tokenmind.model.load import load_tokenizer
+from tokenmind.model.lora import lora_layers, save_adapter
 from tokenmind.model.transformer import Transformer
 
 from .checkpoint import TrainingState, capture_rng, latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
@@ -122,11 +123,14 @@ class Trainer:
     model: the starting weights, on CPU in fp32. val_loader: evaluated from the position it has
     now, every time. objective: what a batch's loss is (default: `NextTokenObjective`, which
     takes `TokenBatch`es). tokenizer: saved with the exported model, so the export chats as is.
+    adapter_base: for a model with LoRA adapters (`model/lora.py`), where its frozen base comes
+    from; then only the trainable parameters are optimized and checkpointed, and the export is a
+    PEFT adapter directory naming that base.
     """
 
     def __init__(self, cfg: RunConfig, ctx: DistContext, model: Transformer, loader: Loader,
                  val_loader: Loader | None = None, objective: Objective | None = None,
-                 tokenizer: Tokenizer | None = None) -> None:
+                 tokenizer: Tokenizer | None = None, adapter_base: str = "") -> None:
         t = cfg.train
         self.cfg, self.ctx, self.tokenizer = cfg, ctx, tokenizer
         self.out_dir = Path(t.out_dir)
@@ -140,7 +144,9 @@ class Trainer:
         model.to(ctx.device)
         self.model = model  # the module whose state we save (sharded in place under fsdp)
         self.wrapped = wrap_model(model, ctx)  # the module we call in training
-        self.params = list(model.parameters())
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.frozen_base = len(self.params) < len(list(model.parameters()))  # checkpoints hold only what trains
+        self.adapter_base = adapter_base
         self.optimizer = build_optimizer(model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, t.steps)
 
@@ -162,7 +168,7 @@ class Trainer:
     def save(self) -> Path:
         """Checkpoint the current step (every rank must call this)."""
         state = TrainingState(
-            model=model_state(self.model, self.ctx),
+            model=model_state(self.model, self.ctx, trainable_only=self.frozen_base),
             optimizer=optimizer_state(self.model, self.optimizer, self.ctx),
             trainer={"step": self.step, "tokens_seen": self.tokens_seen, "scheduler": self.scheduler.state_dict()},
             rank={"loader": self.loader.state_dict(), "rng": capture_rng()},
@@ -172,7 +178,7 @@ class Trainer:
     def _restore(self, path: Path) -> None:
         read_shared = self.ctx.is_main or self.ctx.strategy != "fsdp"
         state = load_checkpoint(path, self.ctx.rank, read_shared)
-        load_model_state(self.model, state.model, self.ctx)
+        load_model_state(self.model, state.model, self.ctx, strict=not self.frozen_base)
         load_optimizer_state(self.model, self.optimizer, state.optimizer, self.ctx)
         self.scheduler.load_state_dict(state.trainer["scheduler"])
         self.step, self.tokens_seen = state.trainer["step"], state.trainer["tokens_seen"]
@@ -233,8 +239,13 @@ class Trainer:
         return self._per_unit(functools.reduce(operator.add, terms))[1]
 
     def export(self) -> Path:
-        """Write the trained model as a Hugging Face directory `out_dir/final` (rank 0)."""
+        """Write the trained model as a Hugging Face directory `out_dir/final` (rank 0), or its
+        LoRA adapter as a PEFT adapter directory."""
         path = self.out_dir / "final"
+        if lora_layers(self.model):
+            if self.ctx.is_main:
+                save_adapter(self.model, path, self.adapter_base, tokenizer=self.tokenizer)
+            return path
         state = model_state(self.model, self.ctx)  # collective under fsdp
         if self.ctx.is_main:
             model = self.model
