@@ -101,7 +101,7 @@ def test_routing_runs_two_adapters_in_one_batch_like_each_alone():
         for name in ("a", "b", None):
             routing.active = name
             alone[name] = ours.eval()(x)
-        routing.names, routing.rows = ["a", "b"], torch.tensor([0] * 9 + [1] * 9)  # row 0 → a, row 1 → b
+        routing.set_rows(["a"] * 9 + ["b"] * 9)  # batch row 0 → a, batch row 1 → b
         mixed = ours(x.reshape(1, -1).reshape(2, 9))
     assert (mixed[0] - alone["a"][0]).abs().max() < TOL
     assert (mixed[1] - alone["b"][1]).abs().max() < TOL

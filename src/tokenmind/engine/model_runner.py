@@ -7,7 +7,7 @@ token's k/v goes (slot = block * block_size + offset, from the sequence's block 
 blocks each sequence reads. The LM head then runs only on the rows someone needs: the last token
 of a chunk that completes its sequence's pending tokens (to sample from), every token of a
 verification chunk, none of a mid-prompt chunk. A model with LoRA adapters (`model/lora.py`)
-gets each token's adapter index, so requests for different adapters share the step.
+is told which adapter each token's row runs, so requests for different adapters share the step.
 """
 
 from __future__ import annotations
@@ -74,16 +74,13 @@ class ModelRunner:
         and each chunk's first row among them."""
         input_ids, positions, meta, rows = self.prepare(chunks)
         if self.adapters:
-            index = {name: i for i, name in enumerate(self.adapters)}
-            self.routing.names = self.adapters
-            self.routing.rows = torch.tensor([index.get(c.seq.adapter, -1) for c in chunks for _ in c.token_ids],
-                                             device=self.device)
+            self.routing.set_rows([c.seq.adapter for c in chunks for _ in c.token_ids], self.device)
         try:
             with torch.inference_mode():
                 hidden = self.model.hidden_states(input_ids, positions, meta, self.kv_cache)
                 logits = self.model.logits(hidden[0, rows]).float() if rows else hidden.new_empty(0, 0)
         finally:
-            self.routing.rows = None
+            self.routing.clear_rows()
         offsets, at = [], 0
         for chunk in chunks:
             offsets.append(at)

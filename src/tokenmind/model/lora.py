@@ -78,13 +78,24 @@ class LoRAConfig:
 
 class LoRARouting:
     """Which adapter a model's LoRA layers apply, shared by all of them: `active` names one for
-    every row (None: the base model alone), or `rows` gives an index into `names` per row of the
-    flattened input (-1: no adapter), set by the engine before each step."""
+    every row (None: the base model alone), or `groups` (set by the engine before each step with
+    `set_rows`) gives the rows of the flattened input that each adapter applies to."""
 
     def __init__(self) -> None:
         self.active: str | None = None
-        self.names: list[str] = []
-        self.rows: torch.Tensor | None = None
+        self.groups: dict[str, torch.Tensor] | None = None
+
+    def set_rows(self, adapters: list[str | None], device: torch.device | str = "cpu") -> None:
+        """One adapter name (or None) per row of the next forward's flattened input; the row
+        indices are grouped once here, not in every layer."""
+        by_name: dict[str, list[int]] = {}
+        for row, name in enumerate(adapters):
+            if name is not None:
+                by_name.setdefault(name, []).append(row)
+        self.groups = {name: torch.tensor(rows, device=device) for name, rows in by_name.items()}
+
+    def clear_rows(self) -> None:
+        self.groups = None
 
 
 class LoRAAdapter(nn.Module):
@@ -143,16 +154,13 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         r = self.routing
-        if r.rows is None:
+        if r.groups is None:
             if r.active is None or r.active not in self.adapters:
                 return y
             return self._add(y, self.adapters[r.active].deltas(x))
         flat_x, flat_y = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
-        for index, name in enumerate(r.names):
-            if name not in self.adapters:
-                continue
-            rows = (r.rows == index).nonzero().squeeze(1)
-            if rows.numel():
+        for name, rows in r.groups.items():
+            if name in self.adapters:
                 updated = self._add(flat_y[rows], self.adapters[name].deltas(flat_x[rows]))
                 flat_y = flat_y.index_copy(0, rows, updated)
         return flat_y.reshape(y.shape)
@@ -257,22 +265,26 @@ def _peft_key(layer: int, hf_module: str, matrix: str) -> str:
     return f"base_model.model.model.layers.{layer}.{parent}.{hf_module}.{matrix}.weight"
 
 
-def adapter_state(model: Transformer, name: str | None = None) -> dict[str, torch.Tensor]:
-    """Adapter `name`'s tensors under PEFT's key names."""
-    layers = lora_layers(model)
+def adapter_parameters(model: Transformer, name: str | None = None) -> dict[str, nn.Parameter]:
+    """Adapter `name`'s (default: the active one's) parameters under PEFT's key names."""
     name = name or routing_of(model).active
     out = {}
-    for path, layer in layers.items():
+    for path, layer in lora_layers(model).items():
         if name not in layer.adapters:
             continue
         index = int(path.split(".")[1])  # layers.{i}.<parent>.<module>
         adapter = layer.adapters[name]
         for hf_module in adapter.lora_A:
-            out[_peft_key(index, hf_module, "lora_A")] = adapter.lora_A[hf_module].detach()
-            out[_peft_key(index, hf_module, "lora_B")] = adapter.lora_B[hf_module].detach()
+            out[_peft_key(index, hf_module, "lora_A")] = adapter.lora_A[hf_module]
+            out[_peft_key(index, hf_module, "lora_B")] = adapter.lora_B[hf_module]
     if not out:
         raise ValueError(f"the model has no LoRA adapter named {name!r}")
     return out
+
+
+def adapter_state(model: Transformer, name: str | None = None) -> dict[str, torch.Tensor]:
+    """Adapter `name`'s tensors under PEFT's key names (what `save_adapter` writes)."""
+    return {key: p.detach() for key, p in adapter_parameters(model, name).items()}
 
 
 def adapter_config(model: Transformer, name: str | None = None) -> LoRAConfig:
@@ -354,15 +366,7 @@ def load_adapter(model: Transformer, adapter_dir: str | Path, name: str = "defau
     cfg = LoRAConfig(rank=rank, alpha=float(config.get("lora_alpha", rank)), dropout=0.0,
                      targets=[t for t in targets], rslora=bool(config.get("use_rslora")))
     add_lora(model, cfg, name=name, layers=layer_ids)
-    expected = {}
-    for path, layer in lora_layers(model).items():
-        if name in layer.adapters:
-            index = int(path.split(".")[1])
-            adapter = layer.adapters[name]
-            for hf_module in adapter.lora_A:
-                expected[_peft_key(index, hf_module, "lora_A")] = adapter.lora_A[hf_module]
-                expected[_peft_key(index, hf_module, "lora_B")] = adapter.lora_B[hf_module]
-    stored = {k.replace(f".{name}.weight", ".weight"): v for k, v in tensors.items()}
+    expected, stored = adapter_parameters(model, name), tensors
     missing, unexpected = sorted(set(expected) - set(stored)), sorted(set(stored) - set(expected))
     if missing or unexpected:
         raise ValueError(f"{adapter_dir}: adapter tensors do not match the model (missing: {missing[:3]}, "

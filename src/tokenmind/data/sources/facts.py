@@ -322,13 +322,18 @@ def _elements(file: str, rows: Rows) -> Iterator[Fact]:
         yield _fact("element-name", element, [element], _ELEMENT, **words)
 
 
-def _babies(file: str, rows: Rows) -> Iterator[Fact]:
+def _names_by_subject(file: str, rows: Rows) -> dict[str, list[str]]:
+    """Rows of (names, subjects) → each subject's kept names, merged across rows in first-seen order."""
     names: dict[str, list[str]] = {}
-    for babies, adults in rows:
-        for adult in adults:
-            names.setdefault(adult, [])
-            names[adult] += [b for b in _kept(file, adult, babies) if b not in names[adult]]
-    for adult, babies in names.items():
+    for values, subjects in rows:
+        for subject in subjects:
+            names.setdefault(subject, [])
+            names[subject] += [v for v in _kept(file, subject, values) if v not in names[subject]]
+    return names
+
+
+def _babies(file: str, rows: Rows) -> Iterator[Fact]:
+    for adult, babies in _names_by_subject(file, rows).items():
         if babies:
             listed = _or([with_article(b) for b in babies])
             yield _fact("baby-animal", adult, babies, _BABY, adult=adult, babies=listed,
@@ -336,12 +341,7 @@ def _babies(file: str, rows: Rows) -> Iterator[Fact]:
 
 
 def _collectives(file: str, rows: Rows) -> Iterator[Fact]:
-    names: dict[str, list[str]] = {}
-    for members, groups in rows:
-        for member in members:
-            names.setdefault(member, [])
-            names[member] += [g for g in _kept(file, member, groups) if g not in names[member]]
-    for members, groups in names.items():
+    for members, groups in _names_by_subject(file, [(groups, members) for members, groups in rows]).items():
         if groups:
             yield _fact("collective-noun", members, groups, _COLLECTIVE, members=members, group=groups[0],
                         a_group=with_article(groups[0]), groups=_or([with_article(g) for g in groups]))  # fmt: skip
