@@ -27,21 +27,10 @@ def interactive_llm(model: Pretrained, speculative: str | None = None) -> LLM:
     return LLM(model, draft_model=draft, max_num_seqs=1, speculative=SpeculativeConfig("draft"))
 
 
-def prompt_ids(model: Pretrained, prompt: str) -> list[int]:
-    """A plain-text prompt's token ids (with the model's BOS); an empty prompt is just the BOS."""
-    ids = model.tokenizer.encode(prompt, add_special_tokens=True)
-    if not ids:
-        bos = model.tokenizer.bos_token_id
-        if bos is None:
-            raise ValueError("the prompt is empty and the tokenizer has no BOS token to start from; give a prompt")
-        ids = [bos]
-    return ids
-
-
 def complete(model: Pretrained | LLM, prompt: str, params: SamplingParams) -> Iterator[str]:
     """Continue `prompt` as plain text (no chat template), streamed in pieces that never split a character."""
     llm = model if isinstance(model, LLM) else interactive_llm(model)
-    for out in llm.stream(prompt_ids(llm.pretrained, prompt), params):
+    for out in llm.stream(llm.tokenizer.encode_prompt(prompt), params):
         if out.new_text:
             yield out.new_text
 

@@ -69,15 +69,34 @@ def _load(args):
 
 
 def cmd_generate(args) -> None:
-    from .chat import interactive_llm, prompt_ids
+    from .chat import interactive_llm
 
+    if not args.best_of and (args.chat or args.answer is not None or args.meta or args.verbose):
+        raise ValueError("--chat, --answer, --meta and --verbose go with --best-of N; add --best-of N")
+    if args.best_of and (args.speculative or args.echo):
+        raise ValueError("--best-of prints whole candidates, without --speculative or --echo; drop those")
     pretrained = _load(args)
+    if args.best_of:
+        from .posttrain.sampling import best_of_prompt
+
+        meta = dict(args.meta or [], **({"answer": args.answer} if args.answer is not None else {}))
+        ranked = best_of_prompt(pretrained, args.prompt, args.best_of, args.scorer, _sampling_params(args),
+                                chat=args.chat, meta=meta)
+        for i in range(len(ranked.texts)) if args.verbose else [ranked.best]:
+            if args.verbose:
+                print(f"--- candidate {i}: score {ranked.scores[i]:.4g}, finish {ranked.finish_reasons[i]}"
+                      f"{' (best)' if i == ranked.best else ''}")
+            print(ranked.texts[i])
+        print(f"[best of {args.best_of} by {args.scorer}: candidate {ranked.best}, score "
+              f"{ranked.scores[ranked.best]:.4g}; scores {', '.join(f'{s:.3g}' for s in ranked.scores)}]",
+              file=sys.stderr)
+        return
     llm = interactive_llm(pretrained, args.speculative)
     t0 = time.perf_counter()
     if args.echo:
         print(args.prompt, end="", flush=True)
     last = None
-    for last in llm.stream(prompt_ids(pretrained, args.prompt), _sampling_params(args)):
+    for last in llm.stream(pretrained.tokenizer.encode_prompt(args.prompt), _sampling_params(args)):
         print(last.new_text, end="", flush=True)
     dt = time.perf_counter() - t0
     print()
@@ -145,6 +164,27 @@ def cmd_sft(args, overrides: list[str]) -> None:
     print(f"done: {result.steps} steps, final loss {result.final_loss:.4f}"
           + (f", val loss {result.final_val_loss:.4f}" if result.final_val_loss is not None else ""))
     print(f"model: {result.final_model_path}  (chat with: tokenmind chat --model {result.final_model_path})")
+
+
+def _print_trained(result) -> None:
+    print(f"done: {result.steps} steps, final loss {result.final_loss:.4f}"
+          + (f", val loss {result.final_val_loss:.4f}" if result.final_val_loss is not None else ""))
+    print(f"model: {result.final_model_path}\nmetrics: {result.metrics_path}\nloss curve: {result.plot_path}")
+
+
+def cmd_posttrain_preference(args, overrides: list[str]) -> None:
+    from .posttrain.preference import load_preference_config, preference_train
+
+    defaults = {"preference.loss": args.method, "train.out_dir": f"runs/{args.method}"}
+    _print_trained(preference_train(load_preference_config(args.config, overrides, defaults)))
+
+
+def cmd_posttrain_reward(args, overrides: list[str]) -> None:
+    from .posttrain.reward import load_reward_config, reward_train
+
+    kind = "process" if args.method == "prm" else "outcome"
+    defaults = {"reward.kind": kind, "train.out_dir": f"runs/{args.method}"}
+    _print_trained(reward_train(load_reward_config(args.config, overrides, defaults)))
 
 
 def cmd_serve(args) -> int:
@@ -223,13 +263,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    p = sub.add_parser("generate", help="continue a prompt (plain text, no chat template)",
-                       description="Print the model's continuation of PROMPT, streamed token by token.")
+    p = sub.add_parser("generate", help="continue a prompt (plain text, no chat template); or best-of-N",
+                       description="Print the model's continuation of PROMPT, streamed token by token. With "
+                                   "--best-of N: sample N completions, score each with a verifier or reward "
+                                   "model, print the best.")
     _add_model_args(p)
     _add_sampling_args(p, max_tokens=64)
     _add_speculative_args(p)
     p.add_argument("prompt", help="the text to continue")
     p.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
+    g = p.add_argument_group("best-of-N", "sample N completions, score each, print the best (needs --temperature > 0)")
+    g.add_argument("--best-of", type=int, default=0, metavar="N", help="candidates to sample and score")
+    g.add_argument("--scorer", default="verifier:numeric", metavar="SPEC",
+                   help="verifier:NAME (numeric, choice, multistep, reasoning-gym) or rm:PATH (a trained reward "
+                        "model); default verifier:numeric")
+    g.add_argument("--answer", default=None, help="the gold answer the verifier checks against")
+    g.add_argument("--meta", type=name_equals_path, action="append", metavar="KEY=VALUE",
+                   help="another field for the verifier (e.g. expression=\"(7 * 3) + 17\" for multistep); repeatable")
+    g.add_argument("--chat", action="store_true", help="send PROMPT as a user message with the chat template")
+    g.add_argument("--verbose", action="store_true", help="print every candidate with its score, not only the best")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="interactive chat with the model's chat template",
@@ -365,6 +417,35 @@ def build_parser() -> argparse.ArgumentParser:
                                    "Override fields with --section.key=value, e.g. --data.files=data/sft.")
     p.add_argument("--config", default=None, help="YAML SFT config (sections: sft, data, optim, schedule, train)")
     p.set_defaults(func=cmd_sft, takes_overrides=True)
+
+    post = sub.add_parser("posttrain", help="post-training after SFT: preference optimization (DPO family), ...",
+                          description="Post-training methods on the one trainer (checkpoints, exact resume, metrics, "
+                                      "loss plot, LoRA via --lora.rank). Each takes --config YAML and "
+                                      "--section.key=value overrides; see docs/posttraining.md.")
+    post = post.add_subparsers(dest="method", metavar="METHOD", required=True)
+    for method, what in (("dpo", "Direct Preference Optimization (frozen reference)"),
+                         ("ipo", "Identity Preference Optimization (squared loss, frozen reference)"),
+                         ("kto", "Kahneman-Tversky Optimization on answers labelled good/bad (pairs are split)"),
+                         ("orpo", "Odds Ratio Preference Optimization: SFT + odds-ratio term, no reference"),
+                         ("simpo", "Simple Preference Optimization: length-normalized, margin gamma, no reference")):
+        p = post.add_parser(method, help=what, description=f"{what}. Data: JSONL of prompt/chosen/rejected pairs "
+                            "(conversational or plain text, as TRL reads them) or, for kto, prompt/completion/label. "
+                            "E.g. --preference.init_from=smollm2 --data.files=pairs.jsonl --lora.rank=16. "
+                            "Sections: preference, data, lora, optim, schedule, train; output runs/" + method + ".")
+        p.add_argument("--config", default=None, help="YAML config (sections as above)")
+        p.set_defaults(func=cmd_posttrain_preference, takes_overrides=True)
+    for method, what, data in (
+            ("reward", "an outcome reward model (Bradley-Terry on chosen/rejected pairs)",
+             "JSONL of prompt/chosen/rejected pairs"),
+            ("prm", "a process reward model (a score per reasoning step)",
+             "TRL stepwise JSONL: prompt, completions (the steps), labels (true/false per step)")):
+        p = post.add_parser(method, help=f"train {what}",
+                            description=f"Train {what}: the Transformer with a scalar head, saved as transformers' "
+                                        f"*ForSequenceClassification. Data: {data}. E.g. --reward.init_from=smollm2 "
+                                        f"--data.files=FILE. Sections: reward, data, optim, schedule, train; output "
+                                        f"runs/{method}.")
+        p.add_argument("--config", default=None, help="YAML config (sections as above)")
+        p.set_defaults(func=cmd_posttrain_reward, takes_overrides=True)
 
     data = sub.add_parser("data", help="data pipeline commands").add_subparsers(dest="data_command",
                                                                                 metavar="SUBCOMMAND", required=True)

@@ -34,18 +34,22 @@ class DenseAttentionMetadata:
         training rows; pass positions that restart at each document too).
     prefix_len: (B,) int; the first `prefix_len` tokens of a row are visible to every later token
         of the row, whatever its document (a context shared by the continuations packed after it).
+    parent_ids: (B, T) int; besides its own document, a token also sees the (earlier) document
+        named here, -1 for none: several continuations packed after their one shared prompt, with
+        other prompts and continuations in the same row (preference pairs).
     key_padding: (B, T) bool, False where the token is padding: no token attends to it.
     """
 
     document_ids: torch.Tensor | None = None
     prefix_len: torch.Tensor | None = None
+    parent_ids: torch.Tensor | None = None
     key_padding: torch.Tensor | None = None
 
     def resolve(self, positions: torch.Tensor, window: int | None) -> DenseMask:
         """The mask for `positions` (B, T), built once per forward and shared by every layer."""
         docs, padding = self.document_ids, self.key_padding
-        if docs is not None and self.prefix_len is None and not torch.compiler.is_compiling() \
-                and bool((docs == docs[:, :1]).all()):  # a data-dependent branch breaks compiled graphs
+        if docs is not None and self.prefix_len is None and self.parent_ids is None \
+                and not torch.compiler.is_compiling() and bool((docs == docs[:, :1]).all()):  # a data-dependent branch breaks compiled graphs
             docs = None  # one document per row: plain causal, so SDPA keeps its mask-free kernel
         if padding is not None and not torch.compiler.is_compiling() and bool(padding.all()):
             padding = None
@@ -61,6 +65,8 @@ class DenseAttentionMetadata:
             same = docs[:, :, None] == docs[:, None, :]
             if self.prefix_len is not None:
                 same = same | (slots[None, None, :] < self.prefix_len[:, None, None])
+            if self.parent_ids is not None:
+                same = same | (docs[:, None, :] == self.parent_ids[:, :, None])
             allowed = allowed & same
         if padding is not None:
             allowed = allowed & padding[:, None, :]

@@ -46,7 +46,7 @@ def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     for name, tensor in model.state_dict().items():
         if cfg.tie_word_embeddings and name == "lm_head.weight":
             continue
-        hf_name = name if name.startswith("lm_head.") else f"model.{name}"
+        hf_name = name if name.startswith(("lm_head.", "score.")) else f"model.{name}"  # heads sit outside `model.`
         for fused, parts in _FUSED.items():
             if f".{fused}." in name:
                 for part, piece in zip(parts, tensor.split(sizes[fused], dim=0)):
@@ -91,15 +91,16 @@ def read_hf_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     raise FileNotFoundError(f"no model.safetensors or {SAFETENSORS_INDEX} in {model_dir}")
 
 def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], *, source: str,
-                dtype: torch.dtype = torch.float32) -> Transformer:
-    """Create a `Transformer` and load HF-named weights into it, checking names and shapes."""
+                dtype: torch.dtype = torch.float32, cls: type[Transformer] = Transformer) -> Transformer:
+    """Create a `Transformer` (or the subclass `cls`) and load HF-named weights into it, checking
+    names and shapes."""
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = cls(cfg)
     expected = {k: v.shape for k, v in model.state_dict().items()}
     ours = from_hf_state_dict(state_dict)
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings or model.lm_head is None:
         ours.pop("lm_head.weight", None)
-        expected.pop("lm_head.weight")
+        expected.pop("lm_head.weight", None)
     missing = sorted(set(expected) - set(ours))
     unexpected = sorted(set(ours) - set(expected))
     if missing or unexpected:
@@ -117,7 +118,7 @@ def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], *, source
             )
     model = model.to_empty(device="cpu")
     model.load_state_dict({k: v.to(dtype) for k, v in ours.items()}, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and model.lm_head is not None:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = type(model.rotary)(cfg)  # buffers were on meta; recompute them
     return model.to(dtype).eval()
@@ -132,7 +133,13 @@ def load_hf_dir(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Tr
     except json.JSONDecodeError as e:
         raise ValueError(f"{config_path} is not valid JSON: {e}") from e
     cfg = ModelConfig.from_hf(hf_cfg)
-    return build_model(cfg, read_hf_state_dict(model_dir), source=str(model_dir), dtype=dtype)
+    cls = Transformer
+    if any(a.endswith("ForSequenceClassification") for a in hf_cfg.get("architectures") or []):
+        from .reward_model import RewardModel, check_reward_config
+
+        check_reward_config(hf_cfg, config_path)
+        cls = RewardModel
+    return build_model(cfg, read_hf_state_dict(model_dir), source=str(model_dir), dtype=dtype, cls=cls)
 
 @contextlib.contextmanager
 def atomic_directory(out_dir: str | Path) -> Iterator[Path]:
@@ -155,8 +162,7 @@ def save_hf_dir(model: Transformer, out_dir: str | Path, tokenizer=None) -> Path
     """Write config.json + model.safetensors (+ the tokenizer's files) so `transformers` loads
     it, atomically (`atomic_directory`)."""
     with atomic_directory(out_dir) as tmp:
-        cfg = model.cfg
-        (tmp / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(model.hf_config(), indent=2) + "\n")
         tensors = {k: v.detach().to(torch.float32).contiguous() for k, v in to_hf_state_dict(model).items()}
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if tokenizer is not None:

@@ -136,15 +136,26 @@ class Transformer(nn.Module):
                 x = layer(x, cos, sin, mask, kv_cache)
         return self.norm(x)
 
+    def hf_config(self) -> dict:
+        """The config.json that `transformers` loads this model's checkpoint with."""
+        return self.cfg.to_hf()
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
         cap = self.cfg.final_logit_softcapping
         return logits if cap is None else cap * torch.tanh(logits / cap)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                attn: AttentionMetadata | None = None, kv_cache: PagedKVCache | None = None) -> torch.Tensor:
-        """Logits (B, T, vocab) for every position; see `hidden_states` for the arguments."""
-        return self.logits(self.hidden_states(input_ids, positions, attn, kv_cache))
+                attn: AttentionMetadata | None = None, kv_cache: PagedKVCache | None = None,
+                logits_at: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, vocab) for every position; see `hidden_states` for the arguments.
+        logits_at: flat indices into the B·T positions; then only their logits, (N, vocab): a
+        loss on a few positions skips the output layer (a large share of a small model's
+        compute) everywhere else."""
+        hidden = self.hidden_states(input_ids, positions, attn, kv_cache)
+        if logits_at is not None:
+            hidden = hidden.flatten(0, 1)[logits_at]
+        return self.logits(hidden)
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenmind.config import Overrides, load_config
+from tokenmind.data.loader import LoaderConfig
 from tokenmind.model.load import QUANTIZATIONS, Pretrained, load_model
 from tokenmind.model.lora import TARGETS, LoRAConfig, add_lora
 from tokenmind.model.transformer import Transformer
@@ -188,9 +189,15 @@ def chat_loaders(chats: ChatData, data: ChatDataSection, ctx: DistContext) -> tu
     loader = ChatLoader(chats.train, loader_config(data, ctx, data.seed, data.shuffle))
     if not chats.val:
         return loader, None
-    rows = len(pack([len(e.inputs) for e in chats.val], data.seq_len)) // ctx.world_size
-    val_cfg = dataclasses.replace(loader_config(data, ctx, 0, False), batch_size=max(1, min(data.batch_size, rows)))
-    return loader, ChatLoader(chats.val, val_cfg)
+    rows = pack([len(e.inputs) for e in chats.val], data.seq_len)
+    return loader, ChatLoader(chats.val, val_loader_config(data, ctx, len(rows)))
+
+
+def val_loader_config(data: ChatDataSection, ctx: DistContext, rows: int) -> LoaderConfig:
+    """This rank's unshuffled val loader config for a split that packs into `rows` rows: batches of
+    data.batch_size, or smaller when the split is too small for one."""
+    per_rank = rows // ctx.world_size
+    return dataclasses.replace(loader_config(data, ctx, 0, False), batch_size=max(1, min(data.batch_size, per_rank)))
 
 
 def add_stop_ids(model: Transformer, stops: set[int]) -> None:

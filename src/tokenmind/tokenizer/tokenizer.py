@@ -151,6 +151,15 @@ class Tokenizer:
         """
         return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
+    def encode_prompt(self, prompt: str) -> list[int]:
+        """A plain-text prompt's token ids (with the model's BOS); an empty prompt is just the BOS."""
+        ids = self.encode(prompt, add_special_tokens=True)
+        if not ids:
+            if self.bos_token_id is None:
+                raise ValueError("the prompt is empty and the tokenizer has no BOS token to start from; give a prompt")
+            ids = [self.bos_token_id]
+        return ids
+
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
         """`encode` for many texts, parallelised by the Rust backend."""
         return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]

@@ -250,7 +250,7 @@ class Trainer:
         if self.ctx.is_main:
             model = self.model
             if self.ctx.strategy == "fsdp":  # parameters are shards; build a whole copy
-                model = Transformer(self.model.cfg)
+                model = type(self.model)(self.model.cfg)
                 model.load_state_dict(state)
             save_hf_dir(model, path, tokenizer=self.tokenizer)
         return path
