@@ -8,6 +8,7 @@ measurement (best-of-N raising SmolLM2's arithmetic accuracy) is the slow test a
 
 from __future__ import annotations
 
+import json
 import sys
 import types
 from pathlib import Path
@@ -190,3 +191,19 @@ def test_best_of_n_with_a_verifier_raises_smollm2_arithmetic_accuracy(capsys):
     with capsys.disabled():
         print(f"\nSmolLM2 arithmetic, 40 prompts: N=1 {first:.3f}, best-of-8 {best:.3f}")
     assert best > first  # measured on an AMD EPYC (2 cores): N=1 0.100, best-of-8 0.450
+
+
+def test_cli_raft_round(model_dir, tmp_path, capsys):
+    from tokenmind.cli import main
+
+    prompts = tmp_path / "items.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": it["prompt"], "answer": 3}) + "\n" for it in items(4)))
+    assert main(["posttrain", "raft", "--model", str(model_dir), "--items", str(prompts), "--scorer",
+                 "verifier:numeric", "--threshold", "0", "--n", "2", "--max-tokens", "8", "--accept-truncated",
+                 "--out", str(tmp_path / "raft"),
+                 "--data.batch_size=2", "--data.seq_len=96", "--data.val_fraction=0", "--train.steps=2",
+                 "--train.precision=fp32", "--schedule.warmup_steps=0"]) == 0
+    out = capsys.readouterr().out
+    assert "round 0: accepted 4 of 4 prompts" in out and str(tmp_path / "raft" / "round_0" / "sft" / "final") in out
+    assert main(["posttrain", "raft", "--model", str(model_dir), "--scorer", "verifier:numeric"]) == 2
+    assert "--items FILE.jsonl" in capsys.readouterr().err

@@ -178,7 +178,8 @@ def test_files_folders_and_globs_and_bad_lines(tmp_path: Path) -> None:
     bad = tmp_path / "bad" / "x.jsonl"
     bad.parent.mkdir()
     for line, message in [
-        ("not json", r"x.jsonl:2: not a JSON object"),
+        ("not json", r"x.jsonl:2: not JSON"),
+        ("[1, 2]", r"x.jsonl:2: not a JSON object"),
         ('{"text": "hi"}', r'x.jsonl:2: needs "messages"'),
         ('{"messages": [{"role": "bot", "content": "hi"}]}', r"x.jsonl:2: bad message .* each needs a role"),
         ('{"messages": [{"role": "user", "content": "hi"}]}', r"x.jsonl:2: no assistant message"),

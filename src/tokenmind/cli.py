@@ -187,6 +187,37 @@ def cmd_posttrain_reward(args, overrides: list[str]) -> None:
     _print_trained(reward_train(load_reward_config(args.config, overrides, defaults)))
 
 
+def cmd_posttrain_raft(args, overrides: list[str]) -> None:
+    from .engine.sampling import SamplingParams
+    from .jsonl import read_jsonl
+    from .posttrain.sampling import load_scorer, raft
+    from .posttrain.tasks import multistep_items
+
+    if bool(args.items) == bool(args.multistep):
+        raise ValueError("give the prompts with --items FILE.jsonl ({\"prompt\": ..., gold fields}) or generate "
+                         "them with --multistep COUNT")
+    if args.items:
+        fixed = read_jsonl(args.items)
+        items = lambda k: fixed  # noqa: E731 -- the same prompts every round
+    else:
+        items = lambda k: multistep_items(args.multistep, seed=args.seed + k)  # noqa: E731 -- fresh ones per round
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
+    reports = raft(args.model, items, load_scorer(args.scorer), args.out, rounds=args.rounds, n=args.n,
+                   threshold=args.threshold, params=params, sft_overrides=overrides, seed=args.seed,
+                   accept_truncated=args.accept_truncated)
+    for r in reports:
+        print(f"round {r['round']}: accepted {r['accepted']} of {r['prompts']} prompts (best-of-{args.n} mean score "
+              f"{r['mean_best_score']:.3f}, first sample {r['mean_first_score']:.3f}); SFT loss {r['final_loss']:.4f}")
+    print(f"model: {reports[-1]['model']}")
+
+
+def cmd_data_pairs(args) -> None:
+    from .posttrain.pairs import build_pairs
+
+    report = build_pairs(args.data, args.out, mc_limit=args.mc_limit, multistep=args.multistep, seed=args.seed)
+    print(json.dumps(report, indent=2))
+
+
 def cmd_serve(args) -> int:
     from .config import cli_overrides
     from .serve import run_server
@@ -418,7 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="YAML SFT config (sections: sft, data, optim, schedule, train)")
     p.set_defaults(func=cmd_sft, takes_overrides=True)
 
-    post = sub.add_parser("posttrain", help="post-training after SFT: preference optimization (DPO family), ...",
+    post = sub.add_parser("posttrain", help="post-training: DPO family, reward models, RAFT, distillation",
                           description="Post-training methods on the one trainer (checkpoints, exact resume, metrics, "
                                       "loss plot, LoRA via --lora.rank). Each takes --config YAML and "
                                       "--section.key=value overrides; see docs/posttraining.md.")
@@ -446,6 +477,26 @@ def build_parser() -> argparse.ArgumentParser:
                                         f"runs/{method}.")
         p.add_argument("--config", default=None, help="YAML config (sections as above)")
         p.set_defaults(func=cmd_posttrain_reward, takes_overrides=True)
+
+    p = post.add_parser("raft", help="rejection-sampling fine-tuning: sample N, keep the best, SFT, repeat",
+                        description="RAFT: each round samples --n answers per prompt from the current model, scores "
+                                    "them (--scorer verifier:NAME or rm:PATH), keeps each prompt's best if it reaches "
+                                    "--threshold, and fine-tunes on those (SFT; pass its --section.key=value "
+                                    "overrides, e.g. --train.steps=50). Round k writes OUT/round_k/.")
+    p.add_argument("--model", required=True, help="the starting model (run, HF dir, .gguf or alias)")
+    p.add_argument("--items", help="prompts JSONL: {\"prompt\": chat or text, plus the fields the scorer reads}")
+    p.add_argument("--multistep", type=int, default=0, help="instead: this many generated arithmetic problems/round")
+    p.add_argument("--scorer", required=True, help="verifier:numeric|choice|multistep|reasoning-gym, or rm:PATH")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--n", type=int, default=8, help="answers sampled per prompt (default 8)")
+    p.add_argument("--threshold", type=float, default=1.0, help="keep a best answer scoring at least this")
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--accept-truncated", action="store_true", help="also keep answers cut off by --max-tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/raft")
+    p.set_defaults(func=cmd_posttrain_raft, takes_overrides=True)
 
     data = sub.add_parser("data", help="data pipeline commands").add_subparsers(dest="data_command",
                                                                                 metavar="SUBCOMMAND", required=True)
@@ -487,6 +538,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="output .jsonl.gz (default: the packaged set the speedrun reads)")
     p.add_argument("--force", action="store_true", help="regenerate even if the file matches the config")
     p.set_defaults(func=cmd_data_synthesize)
+
+    p = data.add_parser("pairs", help="build preference pairs from verifiable tasks (for posttrain dpo/kto/reward)",
+                        description="Write OUT/mc.jsonl (gold vs a wrong choice from the fetched multiple-choice train "
+                                    "chats in DATA/sft) and OUT/multistep.jsonl (a correct step-by-step arithmetic "
+                                    "solution vs one with a slip), each with an .unpaired.jsonl for KTO; items that "
+                                    "overlap DATA/eval or the held-out chat prompts are dropped.")
+    p.add_argument("--data", default="data", help="the folder `tokenmind data fetch sft eval` filled (default data)")
+    p.add_argument("--out", default="data/pairs")
+    p.add_argument("--mc-limit", type=int, default=None, help="at most this many pairs per multiple-choice set")
+    p.add_argument("--multistep", type=int, default=2000, help="arithmetic pairs (default 2000)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_data_pairs)
 
     tok = sub.add_parser("tokenizer", help="tokenizer commands").add_subparsers(dest="tokenizer_command",
                                                                                metavar="SUBCOMMAND", required=True)

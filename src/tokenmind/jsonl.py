@@ -40,6 +40,24 @@ def read_jsonl(path: str | Path, missing_ok: bool = False) -> list[dict[str, Any
         return [json.loads(line) for line in fh if line.strip()]
 
 
+def located_objects(paths: Iterable[str | Path]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(`file:line`, object) for every non-blank line of the JSONL files, for input checks that
+    name the line at fault; a line that is not a JSON object is refused so."""
+    for path in paths:
+        with open(path, encoding="utf-8") as fh:
+            for number, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{number}"
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{where}: not JSON ({e})") from e
+                if not isinstance(record, dict):
+                    raise ValueError(f"{where}: not a JSON object")
+                yield where, record
+
+
 def write_jsonl(path: str | Path, records: Iterable[dict[str, Any]]) -> int:
     """Write `records` one per line, atomically; return how many."""
     n = 0

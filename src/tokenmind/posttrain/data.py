@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import bisect
 import glob
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +36,7 @@ import numpy as np
 import torch
 
 from tokenmind.data.loader import IGNORE_INDEX, LoaderConfig, RowLoader, TokenBatch
+from tokenmind.jsonl import located_objects
 from tokenmind.tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -64,25 +64,17 @@ def read_conversations(paths: Sequence[Path]) -> list[list[dict[str, Any]]]:
     """The `messages` of every line of the JSONL files, checked: each message has a known role
     and string content, and each conversation has an assistant turn to learn from."""
     conversations = []
-    for path in paths:
-        with open(path, encoding="utf-8") as handle:
-            for number, line in enumerate(handle, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{number}"
-                try:
-                    messages = json.loads(line).get("messages")
-                except (json.JSONDecodeError, AttributeError) as e:
-                    raise ValueError(f"{where}: not a JSON object ({e})") from e
-                if not isinstance(messages, list) or not messages:
-                    raise ValueError(f'{where}: needs "messages": a non-empty list of {{"role", "content"}} objects')
-                for m in messages:
-                    if not (isinstance(m, Mapping) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
-                        raise ValueError(f"{where}: bad message {m!r}; each needs a role ({', '.join(ROLES)}) "
-                                         "and string content")
-                if not any(m["role"] == "assistant" for m in messages):
-                    raise ValueError(f"{where}: no assistant message, so nothing to train on")
-                conversations.append(messages)
+    for where, record in located_objects(paths):
+        messages = record.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ValueError(f'{where}: needs "messages": a non-empty list of {{"role", "content"}} objects')
+        for m in messages:
+            if not (isinstance(m, Mapping) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
+                raise ValueError(f"{where}: bad message {m!r}; each needs a role ({', '.join(ROLES)}) "
+                                 "and string content")
+        if not any(m["role"] == "assistant" for m in messages):
+            raise ValueError(f"{where}: no assistant message, so nothing to train on")
+        conversations.append(messages)
     return conversations
 
 

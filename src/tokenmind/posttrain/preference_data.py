@@ -25,7 +25,6 @@ completion the target belongs to, so summing token log-probs per sequence is one
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +34,7 @@ import numpy as np
 import torch
 
 from tokenmind.data.loader import IGNORE_INDEX, LoaderConfig, RowLoader
+from tokenmind.jsonl import located_objects
 from tokenmind.tokenizer import Tokenizer
 
 from .data import ROLES, pack
@@ -136,41 +136,30 @@ def read_preferences(paths: Sequence[Path]) -> tuple[str, list[dict[str, Any]]]:
     """The records of preference JSONL files, checked, and their kind: all paired
     (prompt/chosen/rejected) or all unpaired (prompt/completion/label)."""
     records, kinds = [], set()
-    for path in paths:
-        with open(path, encoding="utf-8") as handle:
-            for number, line in enumerate(handle, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{number}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{where}: not JSON ({e})") from e
-                if not isinstance(record, dict):
-                    raise ValueError(f"{where}: not a JSON object")
-                if "chosen" in record and "rejected" in record:
-                    kinds.add(PAIRED)
-                    answers = ("chosen", "rejected")
-                elif "completion" in record and "label" in record:
-                    kinds.add(UNPAIRED)
-                    answers = ("completion",)
-                    if not isinstance(record["label"], bool):
-                        raise ValueError(f'{where}: "label" must be true or false, got {record["label"]!r}')
-                else:
-                    raise ValueError(f'{where}: needs "chosen" and "rejected" (a preference pair) or "completion" '
-                                     f'and "label" (an unpaired, KTO example); it has {", ".join(record) or "nothing"}')
-                texts = all(isinstance(record.get(k), str) for k in ("prompt", *answers))
-                if not texts:
-                    for key in ("prompt", *answers):
-                        if key in record:
-                            record[key] = _messages(record[key], where, key)
-                    if "prompt" not in record:
-                        if len(answers) == 1:
-                            raise ValueError(f'{where}: an unpaired example needs a "prompt"')
-                        record["prompt"], record["chosen"], record["rejected"] = split_prompt(
-                            record["chosen"], record["rejected"], where)
-                record["_where"] = where
-                records.append(record)
+    for where, record in located_objects(paths):
+        if "chosen" in record and "rejected" in record:
+            kinds.add(PAIRED)
+            answers = ("chosen", "rejected")
+        elif "completion" in record and "label" in record:
+            kinds.add(UNPAIRED)
+            answers = ("completion",)
+            if not isinstance(record["label"], bool):
+                raise ValueError(f'{where}: "label" must be true or false, got {record["label"]!r}')
+        else:
+            raise ValueError(f'{where}: needs "chosen" and "rejected" (a preference pair) or "completion" '
+                             f'and "label" (an unpaired, KTO example); it has {", ".join(record) or "nothing"}')
+        texts = all(isinstance(record.get(k), str) for k in ("prompt", *answers))
+        if not texts:
+            for key in ("prompt", *answers):
+                if key in record:
+                    record[key] = _messages(record[key], where, key)
+            if "prompt" not in record:
+                if len(answers) == 1:
+                    raise ValueError(f'{where}: an unpaired example needs a "prompt"')
+                record["prompt"], record["chosen"], record["rejected"] = split_prompt(
+                    record["chosen"], record["rejected"], where)
+        record["_where"] = where
+        records.append(record)
     if not records:
         raise ValueError("no preference records: the data.files hold no JSONL lines")
     if len(kinds) > 1:

@@ -37,6 +37,7 @@ from torch import nn
 
 from tokenmind.config import Overrides, load_config
 from tokenmind.data.loader import IGNORE_INDEX, LoaderConfig, TokenBatch
+from tokenmind.jsonl import located_objects
 from tokenmind.model.attention import DenseAttentionMetadata
 from tokenmind.model.load import Pretrained, load_model
 from tokenmind.model.reward_model import RewardModel
@@ -122,20 +123,14 @@ def step_example(tokenizer: Tokenizer, prompt: str | list[dict], steps: Sequence
 def read_stepwise(paths: Sequence[Path]) -> list[dict[str, Any]]:
     """TRL stepwise-supervision records, checked."""
     records = []
-    for path in paths:
-        with open(path, encoding="utf-8") as handle:
-            for number, line in enumerate(handle, 1):
-                if not line.strip():
-                    continue
-                record = json.loads(line)
-                ok = (isinstance(record, Mapping) and "prompt" in record
-                      and isinstance(record.get("completions"), list) and isinstance(record.get("labels"), list)
-                      and len(record["completions"]) == len(record["labels"]) > 0
-                      and all(isinstance(b, bool) for b in record["labels"]))
-                if not ok:
-                    raise ValueError(f'{path}:{number}: a process-reward record needs "prompt", "completions" (the '
-                                     'steps) and "labels" (one true/false per step)')
-                records.append(record)
+    for where, record in located_objects(paths):
+        ok = ("prompt" in record and isinstance(record.get("completions"), list)
+              and isinstance(record.get("labels"), list) and len(record["completions"]) == len(record["labels"]) > 0
+              and all(isinstance(b, bool) for b in record["labels"]))
+        if not ok:
+            raise ValueError(f'{where}: a process-reward record needs "prompt", "completions" (the steps) and '
+                             '"labels" (one true/false per step)')
+        records.append(record)
     if not records:
         raise ValueError("no process-reward records: the data.files hold no JSONL lines")
     return records
