@@ -187,6 +187,15 @@ def cmd_posttrain_reward(args, overrides: list[str]) -> None:
     _print_trained(reward_train(load_reward_config(args.config, overrides, defaults)))
 
 
+def cmd_posttrain_distill(args, overrides: list[str]) -> None:
+    from .posttrain.kd import kd_train, load_kd_config
+
+    _print_trained(kd_train(load_kd_config(args.config, [f"distill.mode={MODES[args.method]}", *overrides])))
+
+
+MODES = {"kd": "offline", "gkd": "gkd"}  # `posttrain` subcommand → distill.mode
+
+
 def cmd_posttrain_raft(args, overrides: list[str]) -> None:
     from .engine.sampling import SamplingParams
     from .jsonl import read_jsonl
@@ -478,6 +487,17 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--config", default=None, help="YAML config (sections as above)")
         p.set_defaults(func=cmd_posttrain_reward, takes_overrides=True)
 
+    for method, what in (("kd", "offline knowledge distillation: the student learns the teacher's top-k next-token "
+                                "distributions, computed once and cached"),
+                         ("gkd", "on-policy distillation (GKD): the student samples, the teacher scores every token, "
+                                 "generalized JSD")):
+        p = post.add_parser(method, help=what.split(":")[0],
+                            description=f"{what.capitalize()}. Data: chat JSONL as for sft. E.g. "
+                                        "--distill.teacher=smollm2 --distill.layers='[0,2,4]' --data.files=FILE, or "
+                                        "--config src/tokenmind/configs/kd_smollm2.yaml. Sections: distill, data, "
+                                        "optim, schedule, train; output runs/kd.")
+        p.add_argument("--config", default=None, help="YAML config (sections as above)")
+        p.set_defaults(func=cmd_posttrain_distill, takes_overrides=True)
     p = post.add_parser("raft", help="rejection-sampling fine-tuning: sample N, keep the best, SFT, repeat",
                         description="RAFT: each round samples --n answers per prompt from the current model, scores "
                                     "them (--scorer verifier:NAME or rm:PATH), keeps each prompt's best if it reaches "

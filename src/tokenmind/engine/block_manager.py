@@ -161,6 +161,21 @@ class BlockManager:
             self.block_keys[block] = key
             self.cached.setdefault(key, block)  # a twin computed concurrently keeps serving the key
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix and put the pool back as it was built: all blocks free, in
+        index order. For when the model's weights change (a training step on the model an engine
+        samples from, as on-policy distillation and RL do): a cached block holds k/v the old
+        weights computed, which the new weights would otherwise be served. Restoring the free
+        order too makes the next allocations those of a fresh engine, so a run that resumes with
+        a new engine samples exactly what the uninterrupted one did. Only with no block held."""
+        held = sum(count > 0 for count in self.ref_counts)
+        if held:
+            raise RuntimeError(f"{held} KV blocks are still held by sequences; finish or abort every request "
+                               "before resetting the prefix cache")
+        self.block_keys = [None] * self.num_blocks
+        self.cached.clear()
+        self.free_list = OrderedDict.fromkeys(range(self.num_blocks))
+
     # ----------------------------------------------------------------- sharing and release
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

@@ -194,6 +194,14 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached prefix (`BlockManager.reset_prefix_cache`): call it after changing the
+        model's weights, between batches, so no k/v of the old weights is reused."""
+        if self.requests:
+            raise RuntimeError(f"{len(self.requests)} requests are unfinished; let them finish or abort them "
+                               "before resetting the prefix cache")
+        self.block_manager.reset_prefix_cache()
+
     def stats(self) -> EngineStats:
         bm, waiting = self.block_manager, self.scheduler.waiting
         oldest = min((seq.arrival_time for seq in waiting), default=None)
@@ -379,6 +387,10 @@ class LLM:
                            else load_model(draft_model, dtype=dtype)).model
         self.pretrained, self.tokenizer = model, model.tokenizer
         self.engine = Engine(model.model, model.tokenizer, config, draft_model=draft_model)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget cached prompt prefixes after the model's weights changed (`Engine.reset_prefix_cache`)."""
+        self.engine.reset_prefix_cache()
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """One request's outputs, one per step with new tokens (`new_text`, `new_token_ids`), the last
