@@ -190,10 +190,8 @@ def cmd_posttrain_reward(args, overrides: list[str]) -> None:
 def cmd_posttrain_distill(args, overrides: list[str]) -> None:
     from .posttrain.kd import kd_train, load_kd_config
 
-    _print_trained(kd_train(load_kd_config(args.config, [f"distill.mode={MODES[args.method]}", *overrides])))
-
-
-MODES = {"kd": "offline", "gkd": "gkd"}  # `posttrain` subcommand → distill.mode
+    defaults = {"distill.mode": "gkd" if args.method == "gkd" else "offline", "train.out_dir": f"runs/{args.method}"}
+    _print_trained(kd_train(load_kd_config(args.config, overrides, defaults)))
 
 
 def cmd_posttrain_raft(args, overrides: list[str]) -> None:
@@ -463,41 +461,36 @@ def build_parser() -> argparse.ArgumentParser:
                                       "loss plot, LoRA via --lora.rank). Each takes --config YAML and "
                                       "--section.key=value overrides; see docs/posttraining.md.")
     post = post.add_subparsers(dest="method", metavar="METHOD", required=True)
-    for method, what in (("dpo", "Direct Preference Optimization (frozen reference)"),
-                         ("ipo", "Identity Preference Optimization (squared loss, frozen reference)"),
-                         ("kto", "Kahneman-Tversky Optimization on answers labelled good/bad (pairs are split)"),
-                         ("orpo", "Odds Ratio Preference Optimization: SFT + odds-ratio term, no reference"),
-                         ("simpo", "Simple Preference Optimization: length-normalized, margin gamma, no reference")):
-        p = post.add_parser(method, help=what, description=f"{what}. Data: JSONL of prompt/chosen/rejected pairs "
-                            "(conversational or plain text, as TRL reads them) or, for kto, prompt/completion/label. "
-                            "E.g. --preference.init_from=smollm2 --data.files=pairs.jsonl --lora.rank=16. "
-                            "Sections: preference, data, lora, optim, schedule, train; output runs/" + method + ".")
+    preference = ("Data: JSONL of prompt/chosen/rejected pairs (conversational or plain text, as TRL reads them) or, "
+                  "for kto, prompt/completion/label. E.g. --preference.init_from=smollm2 --data.files=pairs.jsonl "
+                  "--lora.rank=16. Sections: preference, data, lora, optim, schedule, train")
+    reward = ("The Transformer with a scalar head, saved as transformers' *ForSequenceClassification. E.g. "
+              "--reward.init_from=smollm2 --data.files=FILE. Sections: reward, data, optim, schedule, train")
+    distill = ("Data: chat JSONL as for sft. E.g. --distill.teacher=smollm2 --distill.layers='[0,2,4]' "
+               "--data.files=FILE, or --config src/tokenmind/configs/kd_smollm2.yaml. Sections: distill, data, optim, "
+               "schedule, train")
+    for method, what, details, func in (
+            ("dpo", "Direct Preference Optimization (frozen reference)", preference, cmd_posttrain_preference),
+            ("ipo", "Identity Preference Optimization (squared loss, frozen reference)", preference,
+             cmd_posttrain_preference),
+            ("kto", "Kahneman-Tversky Optimization on answers labelled good/bad (pairs are split)", preference,
+             cmd_posttrain_preference),
+            ("orpo", "Odds Ratio Preference Optimization: SFT + odds-ratio term, no reference", preference,
+             cmd_posttrain_preference),
+            ("simpo", "Simple Preference Optimization: length-normalized, margin gamma, no reference", preference,
+             cmd_posttrain_preference),
+            ("reward", "Train an outcome reward model (Bradley-Terry on chosen/rejected pairs)", reward,
+             cmd_posttrain_reward),
+            ("prm", "Train a process reward model (a score per reasoning step; data: TRL stepwise JSONL of prompt, "
+                    "completions, labels)", reward, cmd_posttrain_reward),
+            ("kd", "Offline knowledge distillation: the student learns the teacher's top-k next-token distributions, "
+                   "computed once and cached", distill, cmd_posttrain_distill),
+            ("gkd", "On-policy distillation (GKD): the student samples, the teacher scores every token, generalized "
+                    "JSD", distill, cmd_posttrain_distill)):
+        p = post.add_parser(method, help=what.split(":")[0].split(" (")[0],
+                            description=f"{what}. {details}; output runs/{method}.")
         p.add_argument("--config", default=None, help="YAML config (sections as above)")
-        p.set_defaults(func=cmd_posttrain_preference, takes_overrides=True)
-    for method, what, data in (
-            ("reward", "an outcome reward model (Bradley-Terry on chosen/rejected pairs)",
-             "JSONL of prompt/chosen/rejected pairs"),
-            ("prm", "a process reward model (a score per reasoning step)",
-             "TRL stepwise JSONL: prompt, completions (the steps), labels (true/false per step)")):
-        p = post.add_parser(method, help=f"train {what}",
-                            description=f"Train {what}: the Transformer with a scalar head, saved as transformers' "
-                                        f"*ForSequenceClassification. Data: {data}. E.g. --reward.init_from=smollm2 "
-                                        f"--data.files=FILE. Sections: reward, data, optim, schedule, train; output "
-                                        f"runs/{method}.")
-        p.add_argument("--config", default=None, help="YAML config (sections as above)")
-        p.set_defaults(func=cmd_posttrain_reward, takes_overrides=True)
-
-    for method, what in (("kd", "offline knowledge distillation: the student learns the teacher's top-k next-token "
-                                "distributions, computed once and cached"),
-                         ("gkd", "on-policy distillation (GKD): the student samples, the teacher scores every token, "
-                                 "generalized JSD")):
-        p = post.add_parser(method, help=what.split(":")[0],
-                            description=f"{what.capitalize()}. Data: chat JSONL as for sft. E.g. "
-                                        "--distill.teacher=smollm2 --distill.layers='[0,2,4]' --data.files=FILE, or "
-                                        "--config src/tokenmind/configs/kd_smollm2.yaml. Sections: distill, data, "
-                                        "optim, schedule, train; output runs/kd.")
-        p.add_argument("--config", default=None, help="YAML config (sections as above)")
-        p.set_defaults(func=cmd_posttrain_distill, takes_overrides=True)
+        p.set_defaults(func=func, takes_overrides=True)
     p = post.add_parser("raft", help="rejection-sampling fine-tuning: sample N, keep the best, SFT, repeat",
                         description="RAFT: each round samples --n answers per prompt from the current model, scores "
                                     "them (--scorer verifier:NAME or rm:PATH), keeps each prompt's best if it reaches "

@@ -65,14 +65,15 @@ from tokenmind.jsonl import atomic_open
 from tokenmind.model.attention import DenseAttentionMetadata
 from tokenmind.model.load import Pretrained, load_model
 from tokenmind.model.transformer import Transformer
-from tokenmind.train.config import ScheduleSection, TrainSection, check_schedule_fits
+from tokenmind.train.config import ScheduleSection, check_schedule_fits
 from tokenmind.train.distributed import DistContext, init_distributed
 from tokenmind.train.objectives import LossTerms, autocast
 from tokenmind.train.trainer import Trainer, TrainResult, loader_config
 
 from .data import ChatData
 from .kd_data import KDBatch, OnPolicyLoader, TopKChatLoader, final_turns, teacher_topk
-from .sft import ChatDataSection, SFTOptimSection, add_stop_ids, chat_data, chat_loaders, val_loader_config
+from .sft import ChatDataSection, SFTOptimSection, SFTTrainSection, add_stop_ids, chat_data, chat_loaders, \
+    val_loader_config
 
 MODES = ("offline", "gkd")
 
@@ -276,13 +277,6 @@ class KDOptimSection(SFTOptimSection):
 
 
 @dataclass
-class KDTrainSection(TrainSection):
-    """`TrainSection` writing to runs/kd by default."""
-
-    out_dir: str = "runs/kd"
-
-
-@dataclass
 class KDConfig:
     """A distillation run: `distill` (teacher, student, loss), `data` (chats, as for SFT; batch_size
     is rows for offline KD and conversations for GKD), then the trainer's own sections."""
@@ -291,7 +285,7 @@ class KDConfig:
     data: ChatDataSection = field(default_factory=ChatDataSection)
     optim: KDOptimSection = field(default_factory=KDOptimSection)
     schedule: ScheduleSection = field(default_factory=ScheduleSection)
-    train: KDTrainSection = field(default_factory=KDTrainSection)
+    train: SFTTrainSection = field(default_factory=lambda: SFTTrainSection(out_dir="runs/kd"))
 
     def __post_init__(self) -> None:
         check_schedule_fits(self.schedule, self.train)
@@ -300,9 +294,10 @@ class KDConfig:
                              "--train.distributed=ddp or none")
 
 
-def load_kd_config(path: str | Path | None = None, overrides: Overrides = ()) -> KDConfig:
-    """Defaults ← YAML file ← `--section.key=value` overrides (`tokenmind.config.load_config` with `KDConfig`)."""
-    return load_config(KDConfig, path, overrides)
+def load_kd_config(path: str | Path | None = None, overrides: Overrides = (),
+                   defaults: dict | None = None) -> KDConfig:
+    """`defaults` ← YAML file ← `--section.key=value` overrides (`tokenmind.config.load_config` with `KDConfig`)."""
+    return load_config(KDConfig, path, overrides, defaults)
 
 
 # ---- the run --------------------------------------------------------------------------------------
