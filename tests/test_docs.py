@@ -18,8 +18,8 @@ def rows():
 def defines(path: Path, symbol: str) -> bool:
     text = path.read_text()
     name = symbol.split(".")[-1]
-    return re.search(rf"^\s*(def|class|async def)\s+{re.escape(name)}\b|^{re.escape(name)}\s*[:=]", text,
-                     re.MULTILINE) is not None
+    return re.search(rf"^\s*(def|class|async def|function)\s+{re.escape(name)}\b|^{re.escape(name)}\s*[:=]", text,
+                     re.MULTILINE) is not None  # `function`: the chat page's JavaScript
 
 
 def test_every_concept_names_existing_code_and_tests():

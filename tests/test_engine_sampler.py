@@ -88,7 +88,7 @@ def test_sampling_frequencies_follow_temperature():
         assert abs(sum(draws) / len(draws) - expected) < 0.03
 
 
-@pytest.mark.parametrize("bad,match", [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"),
+@pytest.mark.parametrize("bad,match", [({"max_tokens": -1}, "max_tokens"), ({"temperature": -1}, "temperature"),
                                        ({"top_p": 0.0}, "top_p"), ({"top_k": -2}, "top_k")])
 def test_bad_sampling_params_are_named(bad, match):
     with pytest.raises(ValueError, match=match):

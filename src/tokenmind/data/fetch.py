@@ -130,7 +130,8 @@ def _download_debian(source: Source, root: Path) -> tuple[Path, str, bool]:
         return folder / deb.name, deb_version(deb), False
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB pieces."""
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         while chunk := fh.read(1 << 20):
@@ -161,7 +162,7 @@ def download(source: Source, cache_dir: str | Path | None = None, lock: dict | N
         if version != source.version:
             warnings.warn(f"{source.package}: pinned version {source.version} is no longer available from "
                           f"{source.registry}; using {version}", stacklevel=2)  # fmt: skip
-        sha = _sha256(path)
+        sha = sha256_file(path)
         entry = lock["packages"].get(key)
         if entry and entry["version"] == version and entry["sha256"] != sha:
             if cached and attempt == 0:

@@ -33,6 +33,7 @@ from typing import Any
 from ..model.load import Pretrained
 from .llm import LLM, Engine, EngineStats, RequestOutput
 from .sampling import SamplingParams
+from .structured import GrammarCompiler
 
 
 class EngineFailed(RuntimeError):
@@ -130,6 +131,17 @@ class AsyncEngine:
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError if the engine would reject this request (safe from any thread)."""
         self.engine.check_request(prompt_ids, params)
+
+    async def embed(self, prompts: list[list[int]]) -> list[list[float]]:
+        """`Engine.embed` on the engine thread, between two steps."""
+        vectors = await self._call(self.engine.embed, prompts)
+        return vectors.tolist()
+
+    @property
+    def grammar(self) -> GrammarCompiler:
+        """The engine's grammar compiler (thread-safe): compile a structured-output constraint here,
+        off the event loop, and the engine's `add_request` finds it compiled."""
+        return self.engine.grammar
 
     async def abort(self, request_id: str) -> None:
         """Stop a request; its stream ends with finish_reason "abort". Nothing to do on a stopped engine."""

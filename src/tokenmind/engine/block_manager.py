@@ -83,9 +83,10 @@ class BlockManager:
         """Cached blocks equal to the sequence's leading full blocks.
 
         The block holding the last token is never matched: one token must be computed to give
-        the logits of the next, and that token's block will be written.
+        the logits of the next, and that token's block will be written. A sequence that needs its
+        prompt's logprobs computes every token.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return []
         bs, matched, key = self.block_size, [], seq.cache_salt
         for i in range((seq.num_tokens - 1) // bs):

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..model.attention import DenseAttentionMetadata
 from ..model.transformer import Transformer
 from ..progress import Bars
 from ..model.load import Pretrained, load_model
@@ -25,11 +26,12 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .model_runner import Chunk, ModelRunner
 from .outputs import CompletionOutput, EngineStats, RequestOutput, TokenLogprob
-from .sampler import sample_batch
+from .sampler import sample_batch, token_logprobs
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .speculative import DraftModelProposer, make_proposer, spec_logprobs, verify
+from .structured import GrammarCompiler, advance
 
 
 class OutputStream:
@@ -109,6 +111,7 @@ class Engine:
         self.num_steps = 0
         self.num_queue_timeouts = 0
         self.num_drafted = self.num_accepted = 0  # speculative decoding: draft tokens verified, and kept
+        self.grammar = GrammarCompiler(tokenizer, model.cfg.vocab_size, self.eos_token_ids)
         self._next_id = itertools.count()
 
     def _copy_block(self, src: int, dst: int) -> None:
@@ -144,6 +147,8 @@ class Engine:
         seq = Sequence(request_id, ids, params, stop_ids, max_len, device=self.runner.device)
         seq.adapter = adapter
         seq.stream = self._new_stream(params)
+        if params.structured is not None:
+            seq.matcher = self.grammar.matcher(params.structured)
         if self.config.speculative is not None:
             seq.spec_k = self.config.speculative.num_speculative_tokens
         self.requests[request_id] = [seq]
@@ -171,8 +176,9 @@ class Engine:
                              f"{self.scheduler.max_num_seqs}; lower n or raise max_num_seqs")
         max_len = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
         bs, pool = self.config.block_size, self.block_manager.num_blocks
-        if -(-(max_len - 1) // bs) > pool:  # the last token is sampled, never written
-            raise ValueError(f"a sequence of {max_len} tokens needs {-(-(max_len - 1) // bs)} KV blocks but the pool "
+        need = -(-max(max_len - 1, len(prompt_ids)) // bs)  # the last token is sampled, never written
+        if need > pool:
+            raise ValueError(f"a sequence of {max_len} tokens needs {need} KV blocks but the pool "
                              f"has {pool}; lower max_tokens or give the engine more KV cache memory")
         return max_len
 
@@ -201,6 +207,33 @@ class Engine:
             raise RuntimeError(f"{len(self.requests)} requests are unfinished; let them finish or abort them "
                                "before resetting the prefix cache")
         self.block_manager.reset_prefix_cache()
+
+    def embed(self, prompts: list[list[int]], max_batch_tokens: int = 4096) -> torch.Tensor:
+        """(N, hidden) float32 unit vectors: the mean of each prompt's final hidden states.
+
+        Not the work of a dedicated embedding model, but a usable one from the LLM itself: prompts
+        are packed into rows of at most `max_batch_tokens` tokens (each attends only to itself) and
+        run without the KV cache, between engine steps.
+        """
+        for ids in prompts:
+            self.check_request(ids, SamplingParams(max_tokens=0))
+        pooled: list[torch.Tensor] = []
+        start = 0
+        while start < len(prompts):
+            stop, size = start, 0
+            while stop < len(prompts) and (stop == start or size + len(prompts[stop]) <= max_batch_tokens):
+                size += len(prompts[stop])
+                stop += 1
+            batch = prompts[start:stop]
+            ids = torch.tensor([[t for p in batch for t in p]], device=self.runner.device)
+            positions = torch.tensor([[i for p in batch for i in range(len(p))]], device=self.runner.device)
+            docs = torch.tensor([[d for d, p in enumerate(batch) for _ in p]], device=self.runner.device)
+            with torch.inference_mode():
+                hidden = self.model.hidden_states(ids, positions, DenseAttentionMetadata(document_ids=docs))[0]
+            for chunk in hidden.float().split([len(p) for p in batch]):
+                pooled.append(chunk.mean(0))
+            start = stop
+        return torch.nn.functional.normalize(torch.stack(pooled), dim=-1)
 
     def stats(self) -> EngineStats:
         bm, waiting = self.block_manager, self.scheduler.waiting
@@ -235,12 +268,21 @@ class Engine:
                 changed.append(seq)
                 continue
             self.block_manager.mark_computed(seq, len(chunk.token_ids))
-            if chunk.logits == "last":
+            last = offset
+            if chunk.logits == "all":  # a prompt chunk whose logprobs were asked for
+                self._prompt_logprobs(seq, chunk.start, logits[offset:offset + len(chunk.token_ids)])
+                last = offset + len(chunk.token_ids) - 1
+            if chunk.start + len(chunk.token_ids) == seq.num_tokens:  # nothing pending: choose the next token
                 group = [seq] + self._fork(seq)
-                rows += [offset] * len(group)
+                if seq.num_tokens >= seq.max_len:  # max_tokens 0: the prompt was all there was to do
+                    for member in group:
+                        self._finish(member, "length", now)
+                    changed.append(seq)
+                    continue
+                rows += [last] * len(group)
                 seqs += group
         if seqs:
-            tokens, logprobs = sample_batch(logits[rows], seqs)
+            tokens, logprobs = sample_batch(logits[rows], seqs, self.grammar)
             for seq, token, logprob in zip(seqs, tokens, logprobs):
                 self._append(seq, token, logprob, now)
         outputs = expired
@@ -258,8 +300,21 @@ class Engine:
         if seq.draft is not None:
             return Chunk(seq, [seq.token_ids[-1], *seq.draft.tokens], start, logits="all")
         tokens = seq.token_ids[start:start + n]  # n may include lookahead slots no draft filled
+        if seq.needs_prompt_logprobs:
+            return Chunk(seq, tokens, start, logits="all")
         done = start + len(tokens) == seq.num_tokens  # a mid-prompt chunk needs no logits
         return Chunk(seq, tokens, start, logits="last" if done else "none")
+
+    def _prompt_logprobs(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
+        """Record log P(token p + 1 | tokens <= p) for the prompt positions p of this chunk's rows
+        (only those not recorded yet: a preempted sequence recomputes its prompt)."""
+        first = len(seq.prompt_logprobs) - 1  # the position whose row predicts the next missing token
+        stop = min(start + len(logits), seq.num_prompt_tokens - 1)
+        if first < start or first >= stop:
+            return
+        targets = seq.token_ids[first + 1:stop + 1]
+        logp = logits[first - start:stop - start].log_softmax(-1)
+        seq.prompt_logprobs += token_logprobs(logp, targets, seq.params.prompt_logprobs)
 
     # ----------------------------------------------------------------- speculative decoding
 
@@ -270,7 +325,8 @@ class Engine:
             return
         for seq in self.scheduler.running:
             p = seq.params
-            plain = p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+            plain = p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty and \
+                seq.matcher is None
             room = seq.max_len - seq.num_tokens - 1  # verification adds up to k + 1 tokens
             seq.num_lookahead = min(seq.spec_k, room) if plain and seq.num_pending_tokens == 1 and \
                 not seq.pending_forks else 0
@@ -339,7 +395,8 @@ class Engine:
             return
         seq.append_token(token, logprob)
         self.num_generated_tokens += 1
-        if seq.stream.push(token):
+        complete = advance(seq, token)  # a grammar that allows nothing more
+        if seq.stream.push(token) or complete:
             self._finish(seq, "stop", now)
         elif seq.num_tokens >= seq.max_len:
             self._finish(seq, "length", now)
@@ -363,8 +420,11 @@ class Engine:
                                                 tpot_s=seq.tpot_s))
             stream.sent_tokens, stream.sent_chars = len(ids), len(text)
         head = seqs[0]
+        prompt_logprobs = None
+        if head.params.prompt_logprobs is not None and not head.needs_prompt_logprobs:
+            prompt_logprobs = list(head.prompt_logprobs)
         return RequestOutput(head.request_id, head.token_ids[:head.num_prompt_tokens], completions,
-                             head.num_cached_tokens)
+                             head.num_cached_tokens, prompt_logprobs)
 
 
 class LLM:

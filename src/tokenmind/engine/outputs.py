@@ -11,11 +11,12 @@ from dataclasses import dataclass
 
 @dataclass
 class TokenLogprob:
-    """The chosen token's logprob and the `k` most likely tokens at that position, best first."""
+    """The chosen token's logprob and the `k` most likely tokens at that position, best first.
+    Both None for a prompt's first token, which nothing before it predicts."""
 
     token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
+    logprob: float | None
+    top: list[tuple[int, float]] | None
 
 
 @dataclass
@@ -42,6 +43,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int  # prompt tokens served by the prefix cache
+    # log P(prompt token i | tokens < i) (the first has none); set once the prefill is done, if asked for
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:

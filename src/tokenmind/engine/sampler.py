@@ -1,12 +1,13 @@
 """Batched sampling: one row of logits per sequence, each row under its own `SamplingParams`.
 
-Order per row: penalties (they change what the model "thinks", so logprobs see them) → greedy
-argmax, or temperature → top-k → top-p → min-p → a draw from the row's own generator. Drawing
-row by row with each sequence's generator is what makes a seeded request give the same text
-whichever other requests share the batch.
+Order per row: penalties (they change what the model "thinks", so logprobs see them) → the
+grammar's mask, for a structured-output request → greedy argmax, or temperature → top-k →
+top-p → min-p → a draw from the row's own generator. Drawing row by row with each sequence's
+generator is what makes a seeded request give the same text whichever other requests share
+the batch.
 
-Logprobs are the log-softmax of the penalized logits *before* temperature and filtering: they
-describe the model's distribution, not the sampling recipe, so they stay comparable across
+Logprobs are the log-softmax of the penalized logits *before* temperature, filtering and any
+grammar's mask: they describe the model's distribution, not the sampling recipe, so they stay comparable across
 temperatures and match a plain forward pass when no penalty is set.
 """
 
@@ -18,6 +19,7 @@ import torch
 
 from .outputs import TokenLogprob
 from .sampling import SamplingParams
+from .structured import GrammarCompiler, mask_logits
 
 if TYPE_CHECKING:
     from .sequence import Sequence
@@ -120,13 +122,16 @@ def draw(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     return tokens
 
 
-def sample_batch(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
-    """Pick the next token of each sequence from its row of (S, V) logits; also its logprobs if asked."""
+def sample_batch(logits: torch.Tensor, seqs: list[Sequence],
+                 grammar: GrammarCompiler | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
+    """Pick the next token of each sequence from its row of (S, V) logits; also its logprobs if asked.
+    Sequences with a grammar (`structured.py`) pick only among the tokens it allows."""
     logits = apply_penalties(logits.float(), seqs)
-    token_list = logits.argmax(-1).tolist()
+    allowed = mask_logits(logits, seqs, grammar)
+    token_list = allowed.argmax(-1).tolist()
     sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if sampled:
-        for i, token in zip(sampled, draw(logits[sampled], [seqs[i] for i in sampled])):
+        for i, token in zip(sampled, draw(allowed[sampled], [seqs[i] for i in sampled])):
             token_list[i] = token
     logprobs: list[TokenLogprob | None] = [None] * len(seqs)
     wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]

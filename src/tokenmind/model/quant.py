@@ -18,9 +18,11 @@ mode (slow): the effective weight is then reproduced bit for bit, which is what 
 
 GGUF Q4_0 and Q4_1 blocks (32 weights, fp16 scale d, Q4_1 also an fp16 min m) are group-32 int4
 already: Q4_0 is w = d·(q − 8) → (s, z) = (d, 0); Q4_1 is w = d·q + m → (s, z) = (d, m + 8d).
-`quantize_from_gguf` copies the 4-bit codes as they are. Q8_0 (int8 with one scale per 32 weights)
-does not fit the per-channel int8 kernel, so it is requantized per channel from its dequantized
-values (one extra rounding, error ≤ half a per-channel step).
+Q4_K super-blocks (256 weights: fp16 d and dmin, then a 6-bit scale sc and min m per 32-weight
+sub-block) are group-32 int4 too: w = d·sc·q − dmin·m → (s, z) = (d·sc, 8·d·sc − dmin·m).
+`quantize_from_gguf` copies the 4-bit codes as they are. Q8_0, Q5_0/Q5_1, Q5_K and Q6_K have
+more than 4 bits, so they go to the per-channel int8 kernel (which has no per-block scales),
+requantized from their dequantized values (one extra rounding, error ≤ half a per-channel step).
 
 Layout of `_convert_weight_to_int4pack_for_cpu` (probed; `_unpack_int4` inverts it and the tests
 check it against the kernel): (N, K/2) uint8; rows go in blocks of 64, and block b viewed as
@@ -39,8 +41,8 @@ from torch import nn
 
 SCHEMES = ("int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu accepts
-GGUF_INT4_TYPES = ("Q4_0", "Q4_1")
-GGUF_INT8_TYPES = ("Q8_0",)
+GGUF_INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # 4-bit codes copied into Int4Linear as they are
+GGUF_INT8_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")  # dequantized, requantized per channel
 
 
 COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the kernels' activation dtypes
@@ -129,9 +131,10 @@ class Int8Linear(QuantizedLinear):
         first, so the stored scale is the one the codes were made with), q = round(w / s)."""
         w = weight.detach().float()
         out_f, in_f = w.shape
-        scales = (w.abs().amax(dim=1) / 127).to(compute_dtype)
+        lo, hi = torch.aminmax(w, dim=1)
+        scales = (torch.maximum(-lo, hi) / 127).to(compute_dtype)
         scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # all-zero rows
-        q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        q = (w / scales.float()[:, None]).round_().clamp_(-127, 127).to(torch.int8)  # one full-size temporary
         padded = -(-in_f // 16) * 16
         q = F.pad(q, (0, padded - in_f))
         return cls(q, scales, in_f, bias)
@@ -306,38 +309,75 @@ _GGUF_SOURCES = {  # our fused module suffix → the HF tensors stacked in it, i
 }
 
 
+def _fp16(raw: np.ndarray) -> torch.Tensor:
+    """(..., 2) bytes holding little-endian fp16 → (...) float32 (exact)."""
+    return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32))
+
+
+def _q4_k_scales_mins(packed: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's 12 packed bytes per super-block (..., 12) → the 8 sub-blocks' 6-bit scales and mins (..., 8).
+
+    Bytes 0-3 hold scales 0-3 in their low 6 bits, bytes 4-7 mins 0-3 likewise; sub-blocks 4-7 take
+    their low 4 bits from bytes 8-11 (scale: low nibble, min: high nibble) and their top 2 bits from
+    the spare top bits of bytes 0-3 (scales) and 4-7 (mins)."""
+    b = torch.from_numpy(np.ascontiguousarray(packed))
+    lo, mid, hi = b[..., 0:4], b[..., 4:8], b[..., 8:12]
+    scales = torch.cat([lo & 63, (hi & 15) | ((lo >> 6) << 4)], dim=-1)
+    mins = torch.cat([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], dim=-1)
+    return scales, mins
+
+
 def gguf_int4_codes(data: np.ndarray, qtype_name: str, shape: tuple[int, int]):
-    """Q4_0 / Q4_1 raw blocks of an (out, in) tensor → (codes (out, in) uint8, d (out, in/32) fp32,
-    zero (out, in/32) fp32) with w = (q − 8)·d + zero: Q4_0 zero = 0, Q4_1 zero = m + 8d."""
+    """Q4_0 / Q4_1 / Q4_K raw blocks of an (out, in) tensor → (codes (out, in) uint8, s (out, in/32) fp32,
+    z (out, in/32) fp32) with w = (q − 8)·s + z per group of 32:
+
+    Q4_0: (s, z) = (d, 0); Q4_1: (d, m + 8d); Q4_K: (d·sc, 8·d·sc − dmin·m).
+
+    s is exact in fp32 for all three (fp16 d times a 6-bit sc). z is exact too, and the kernel's
+    weight then `gguf.quants.dequantize`'s bit for bit, unless its two terms need more than fp32's
+    24 significant bits together: Q4_1 when m and 8d are > 2^13 apart in magnitude; Q4_K (17-bit
+    terms) when dmin/d is outside [2^-3, 2^10] — never in the Qwen2.5-Coder files (all 44M groups
+    exact). Otherwise z is off by at most half an fp32 ulp.
+    """
     out_f, in_f = shape
+    if qtype_name == "Q4_K":
+        blocks = np.ascontiguousarray(data).reshape(out_f, in_f // 256, 144)  # d, dmin, 12 scale bytes, 128 qs
+        d, dmin = _fp16(blocks[..., 0:2]), _fp16(blocks[..., 2:4])
+        sc, m = _q4_k_scales_mins(blocks[..., 4:16])
+        # 32 bytes per pair of sub-blocks: the low nibbles are sub-block 2j, the high ones 2j + 1
+        qs = torch.from_numpy(blocks[..., 16:].copy()).view(out_f, in_f // 256, 4, 1, 32)
+        codes = torch.cat([qs & 15, qs >> 4], dim=3).reshape(out_f, in_f)
+        s = d[..., None] * sc.float()
+        zero = 8 * s - dmin[..., None] * m.float()
+        return codes, s.reshape(out_f, in_f // 32), zero.reshape(out_f, in_f // 32)
     header = {"Q4_0": 2, "Q4_1": 4}[qtype_name]
     blocks = np.ascontiguousarray(data).reshape(out_f, in_f // 32, header + 16)
-    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    d = _fp16(blocks[..., 0:2])
     qs = torch.from_numpy(blocks[..., header:].copy())  # byte i: element i (low nibble), element 16+i (high)
     codes = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(out_f, in_f)
-    if qtype_name == "Q4_0":
-        zero = torch.zeros_like(d)
-    else:
-        m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
-        zero = m + 8 * d  # exact in fp32 unless m and 8d are > 2^13 apart in magnitude
+    zero = torch.zeros_like(d) if qtype_name == "Q4_0" else _fp16(blocks[..., 2:4]) + 8 * d
     return codes, d, zero
 
 
 def gguf_linear(ckpt, hf_names: list[str], bias: torch.Tensor | None = None,
-                compute_dtype: torch.dtype = torch.bfloat16) -> QuantizedLinear | None:
+                compute_dtype: torch.dtype = torch.bfloat16, weight: torch.Tensor | None = None
+                ) -> QuantizedLinear | None:
     """One quantized linear from the raw blocks of `hf_names` (rows stacked in that order), or None when
-    their GGUF types have no kernel mapping here (see `quantize_from_gguf`)."""
+    their GGUF types have no kernel mapping here (see `quantize_from_gguf`). `weight`: these tensors
+    already dequantized to float32 and stacked (the loaded model's), which spares dequantizing again."""
     from gguf.quants import dequantize
 
     raws = [ckpt.raw_tensor(n) for n in hf_names]
     types = {qtype.name for _, qtype, _ in raws}
     if types <= set(GGUF_INT4_TYPES) and sum(shape[0] for *_, shape in raws) % 16 == 0:
         parts = [gguf_int4_codes(data, qtype.name, shape) for data, qtype, shape in raws]
-        codes, d, zero = (torch.cat(xs) for xs in zip(*parts))
-        module = Int4Linear.from_codes(codes, d.to(compute_dtype), zero.to(compute_dtype), 32, bias)
-    elif types <= set(GGUF_INT8_TYPES):
-        w = torch.cat([torch.from_numpy(dequantize(data, qtype).reshape(shape)) for data, qtype, shape in raws])
-        module = Int8Linear.from_float(w, bias, compute_dtype=compute_dtype)
+        codes, s, zero = (torch.cat(xs) for xs in zip(*parts))
+        module = Int4Linear.from_codes(codes, s.to(compute_dtype), zero.to(compute_dtype), 32, bias)
+    elif types <= set(GGUF_INT4_TYPES + GGUF_INT8_TYPES):  # more than 4 bits somewhere: int8 keeps them
+        if weight is None or weight.dtype != torch.float32:
+            weight = torch.cat([torch.from_numpy(dequantize(data, qtype).reshape(shape))
+                                for data, qtype, shape in raws])
+        module = Int8Linear.from_float(weight, bias, compute_dtype=compute_dtype)
     else:
         return None
     module.source = "+".join(sorted(types))
@@ -350,13 +390,20 @@ def quantize_from_gguf(model: nn.Module, ckpt, *, compute_dtype: torch.dtype = t
     """Replace `model`'s linears with quantized ones built from the GGUF checkpoint's raw blocks; returns `model`.
 
     `model` is the `Transformer` loaded from `ckpt` (its float weights are discarded for the layers
-    replaced; biases are kept). Per layer, by the GGUF type of its tensors (q/k/v and gate/up fused
-    in the order `checkpoint.from_hf_state_dict` uses):
-      Q4_0 / Q4_1 (mixable) → `Int4Linear`, group 32, codes copied exactly (module docstring);
-      Q8_0 → `Int8Linear`, requantized per channel (the kernel has no per-block scales);
-      anything else (F32, F16, K-quants, ...) → left as the dequantized `nn.Linear`.
+    replaced, after serving as the dequantized values when they are float32; biases are kept). Per
+    layer, by the GGUF types of its tensors (q/k/v and gate/up fused in the order that
+    `checkpoint.from_hf_state_dict` uses, so one layer may mix types):
+      all Q4_0 / Q4_1 / Q4_K (mixable) → `Int4Linear`, group 32, the 4-bit codes copied as they are
+        (`gguf_int4_codes`; a Q4_K super-block of 256 is 8 groups of 32);
+      any Q8_0 / Q5_0 / Q5_1 / Q5_K / Q6_K, alone or with the 4-bit types → `Int8Linear`,
+        dequantized then requantized per channel (the kernel has no per-block scales; the extra
+        bits of these types would be lost in int4);
+      anything else (F32, F16, BF16, other K-quants) → left as the dequantized `nn.Linear`.
+    Qwen2.5-Coder Q4_K_M files, for example: the 1.5B's Q4_K layers go to int4 and its Q6_K
+    layers (and q/k/v fused with a Q6_K v) to int8; the 0.5B is mostly Q5_0, so mostly int8.
     With compute_dtype=float32 the Int4Linear's effective weight equals `gguf.quants.dequantize`
-    bit for bit; with bf16 the fp16 block scales d and zeros m + 8d are rounded to bf16 (8 bits).
+    bit for bit (up to the zero-point rounding `gguf_int4_codes` describes); with bf16 the block
+    scales and zeros are rounded to bf16 (8 bits).
     """
     _check_compute_dtype(compute_dtype)
     names = set(ckpt.tensor_names)
@@ -372,7 +419,7 @@ def quantize_from_gguf(model: nn.Module, ckpt, *, compute_dtype: torch.dtype = t
         if not all(s in names for s in sources):
             continue
         bias = None if linear.bias is None else linear.bias.detach()
-        module = gguf_linear(ckpt, sources, bias, compute_dtype)
+        module = gguf_linear(ckpt, sources, bias, compute_dtype, weight=linear.weight.detach())
         if module is not None:
             _replace(model, name, module)
     return model

@@ -11,8 +11,10 @@ process exits with status 1, for a supervisor to restart it.
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures
 import contextlib
+import functools
 import json
 import logging
 import uuid
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
@@ -30,20 +33,30 @@ from pydantic import BaseModel, ValidationError
 
 from ..engine.async_engine import AsyncEngine, EngineFailed, EngineStopped
 from ..engine.sampling import SamplingParams
+from ..engine.structured import StructuredOutput
 from ..model.load import Pretrained, load_model
 from ..model.lora import is_adapter_dir, load_adapter, routing_of
 from .admission import Admission
 from .config import ServeConfig
-from .errors import APIError, install_error_handlers
+from .errors import APIError, documented, install_error_handlers
 from .generation import ClientDisconnected, EventStream, Generation, QueueTimeout, collect, until_disconnect
 from .guards import ApiKeyMiddleware, BodyLimitMiddleware, TrustedHostMiddleware
 from .metrics import Metrics, MetricsMiddleware
-from .protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, SamplingRequest,
+                       TokenizeRequest)
 from .responses import ChatFormat, CompletionFormat, ResponseFormat
+from .tool_calls import FORMATS as TOOL_FORMATS
+from .tool_calls import ToolFormat, format_for_template
 
 log = logging.getLogger("tokenmind.serve")
 STATIC = Path(__file__).parent / "static"
-ENDPOINTS = ["/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/"]
+ENDPOINTS = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/tokenize", "/detokenize",
+             "/health", "/metrics", "/"]
+METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # Prometheus' text format
+# A generation answers one JSON body, or (stream: true) server-sent events; or one of these errors.
+GENERATION_RESPONSES = {200: {"content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}},
+                              "description": "the completion, or its chunks as server-sent events with stream: true"},
+                        **documented(400, 401, 404, 413, 429, 500, 503)}
 CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection first"; only metrics see it
 
 
@@ -51,15 +64,16 @@ class Prepared:
     """A parsed, tokenized request that the engine will accept."""
 
     def __init__(self, body: SamplingRequest, prompts: list[list[int]], params: SamplingParams, fmt: ResponseFormat,
-                 adapter: str | None):
+                 adapter: str | None, echo: list[str] | None = None):
         self.body, self.prompts, self.params, self.fmt, self.adapter = body, prompts, params, fmt, adapter
+        self.echo = echo
 
 
 class Service:
     """What the routes share: the model's tokenizer and limits, the engine while serving, admission, metrics."""
 
-    def __init__(self, config: ServeConfig, pretrained: Pretrained):
-        self.config, self.pretrained, self.tokenizer = config, pretrained, pretrained.tokenizer
+    def __init__(self, config: ServeConfig, pretrained: Pretrained, draft: Pretrained | None = None):
+        self.config, self.pretrained, self.tokenizer, self.draft = config, pretrained, pretrained.tokenizer, draft
         self.model_name = config.model_name
         self.admission = Admission(config.max_num_seqs + config.max_queue, config.retry_after)
         self.metrics = Metrics(ENDPOINTS)
@@ -72,7 +86,10 @@ class Service:
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self.engine = AsyncEngine.from_pretrained(self.pretrained, **self.config.engine_options())
+        options = self.config.engine_options()
+        if self.draft is not None:
+            options["draft_model"] = self.draft
+        self.engine = AsyncEngine.from_pretrained(self.pretrained, **options)
         self.engine.on_failure.append(self._on_engine_thread_failure)
         limits = self.engine.limits
         self.max_model_len, self.max_seq_len = limits.max_model_len, limits.max_seq_len
@@ -130,12 +147,51 @@ class Service:
                                 "(see GET /v1/models)", param="model", code="model_not_found")
         return None if model == self.model_name else model
 
+    @functools.cached_property
+    def tool_format(self) -> ToolFormat:
+        """How this model's template shows tools and how its replies call them (`--tool-parser` overrides)."""
+        if self.config.tool_parser is not None:
+            return TOOL_FORMATS[self.config.tool_parser]
+        return format_for_template(self.tokenizer.chat_template)
+
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        messages = [m.for_template() for m in body.messages]
+        messages, tools = [m.for_template() for m in body.messages], body.tool_dicts()
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            messages, tools = self.tool_format.prepare(messages, tools)
+        except ValueError as e:
+            raise APIError(400, str(e), param="tools" if tools else "messages") from e
+        try:
+            return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from e
+
+    def structured_output(self, body: SamplingRequest) -> tuple[StructuredOutput | None, str | None]:
+        """The grammar the reply must match (a forced tool call, or `response_format`), and the
+        request field it comes from."""
+        try:
+            structured = body.structured()
+        except ValueError as e:
+            raise APIError(400, str(e), param="response_format") from e
+        if not isinstance(body, ChatCompletionRequest):
+            return structured, "response_format"
+        forced, name = body.forced_function()
+        if not forced:
+            return structured, "response_format"
+        if structured is not None:
+            raise APIError(400, "response_format cannot be combined with a forced tool call (tool_choice "
+                                "\"required\" or a named function): drop one of them", param="response_format")
+        try:
+            special = self.ready().grammar.special_tokens(self.tool_format.markup)
+            grammar = self.tool_format.grammar(body.tool_dicts(), name, body.parallel_tool_calls, special)
+        except ValueError as e:
+            raise APIError(400, str(e), param="tools") from e
+        return StructuredOutput(lark=grammar), "tools"
+
+    def echo_texts(self, body: CompletionRequest, prompts: list[list[int]]) -> list[str] | None:
+        """Per prompt, what `echo` repeats: the prompt as sent (token ids decoded)."""
+        if not body.echo:
+            return None
+        return [p if isinstance(p, str) else self.tokenizer.decode(ids) for p, ids in zip(body.prompts(), prompts)]
 
     def completion_prompt(self, prompt: str | list[int]) -> list[int]:
         if not isinstance(prompt, str):
@@ -167,22 +223,30 @@ class Service:
         """Body bytes → a request the engine accepts, or an `APIError` naming what is wrong. Blocking."""
         body = parse_body(raw, content_type, kind)
         adapter = self.check_model(body.model)
+        echo = None
         if isinstance(body, ChatCompletionRequest):
             prompts, param = [self.chat_prompt(body)], "messages"
-            fmt: ResponseFormat = ChatFormat(body.model, self.tokenizer, body.include_usage)
+            tools = self.tool_format if body.tool_dicts() else None
+            fmt: ResponseFormat = ChatFormat(body.model, self.tokenizer, body.include_usage, tools)
         else:
             prompts, param = [self.completion_prompt(p) for p in body.prompts()], "prompt"
-            fmt = CompletionFormat(body.model, self.tokenizer, body.include_usage)
+            fmt, echo = CompletionFormat(body.model, self.tokenizer, body.include_usage), self.echo_texts(body, prompts)
+        structured, structured_param = self.structured_output(body)
         try:
-            params = body.sampling_params(self.max_tokens(body, prompts, param))
+            params = body.sampling_params(self.max_tokens(body, prompts, param), structured)
         except ValueError as e:
             raise APIError(400, str(e)) from e
+        if structured is not None:  # compiled here, on this worker thread; the engine finds it cached
+            try:
+                self.ready().grammar.matcher(structured)
+            except ValueError as e:
+                raise APIError(400, str(e), param=structured_param) from e
         for ids in prompts:  # token ids out of range, a KV pool too small for the sequence, ...
             try:
                 self.ready().check_request(ids, params)
             except ValueError as e:
                 raise APIError(400, str(e), param=param) from e
-        return Prepared(body, prompts, params, fmt, adapter)
+        return Prepared(body, prompts, params, fmt, adapter, echo)
 
     # ----------------------------------------------------------------- request → response
 
@@ -193,7 +257,7 @@ class Service:
         raw = await request.body()
         prep = await asyncio.to_thread(self.prepare, raw, request.headers.get("content-type"), kind)
         gen = Generation(self.ready(), self.admission, self.metrics, prep.prompts, prep.params, uuid.uuid4().hex,
-                         prep.adapter)
+                         prep.adapter, prep.echo)
         if prep.body.stream:
             return EventStream(gen, prep.fmt, self.config.heartbeat_interval, self.failure)
         try:
@@ -204,6 +268,60 @@ class Service:
             raise self.failure(e) from e
         finally:
             gen.close()
+
+    # ----------------------------------------------------------------- embeddings, tokens
+
+    def embedding_inputs(self, raw: bytes, content_type: str | None) -> tuple[EmbeddingRequest, list[list[int]]]:
+        """Parse and tokenize an embeddings request (worker thread)."""
+        body = parse_body(raw, content_type, EmbeddingRequest)
+        self.check_model(body.model)
+        hidden = self.pretrained.model.cfg.hidden_size
+        if body.dimensions is not None and body.dimensions != hidden:
+            raise APIError(400, f"this model's embeddings have {hidden} dimensions and cannot be shortened; "
+                                "leave out `dimensions`", param="dimensions")
+        prompts = [self.completion_prompt(p) for p in body.inputs()]
+        for ids in prompts:
+            try:
+                self.ready().check_request(ids, SamplingParams(max_tokens=0))
+            except ValueError as e:
+                raise APIError(400, str(e), param="input") from e
+        return body, prompts
+
+    async def embeddings(self, request: Request) -> dict[str, Any]:
+        self.ready()
+        body, prompts = await asyncio.to_thread(self.embedding_inputs, await request.body(),
+                                                request.headers.get("content-type"))
+        vectors = await self.ready().embed(prompts)
+        data = [{"object": "embedding", "index": i, "embedding": _encode_vector(v, body.encoding_format)}
+                for i, v in enumerate(vectors)]
+        tokens = sum(map(len, prompts))
+        return {"object": "list", "data": data, "model": body.model,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+                "pooling": "mean of the language model's final hidden states, L2-normalized"}
+
+    def tokenize(self, raw: bytes, content_type: str | None) -> dict[str, Any]:
+        body = parse_body(raw, content_type, TokenizeRequest)
+        if body.model is not None:
+            self.check_model(body.model)
+        if body.messages is not None:
+            messages = [m.for_template() for m in body.messages]
+            try:
+                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+            except (ValueError, TypeError, jinja2.TemplateError) as e:
+                raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from e
+        else:
+            ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+                "token_strs": [self.tokenizer.id_to_token(i) for i in ids]}
+
+    def detokenize(self, raw: bytes, content_type: str | None) -> dict[str, Any]:
+        body = parse_body(raw, content_type, DetokenizeRequest)
+        if body.model is not None:
+            self.check_model(body.model)
+        vocab = self.pretrained.model.cfg.vocab_size
+        if body.tokens and not 0 <= min(body.tokens) <= max(body.tokens) < vocab:
+            raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
 
     def failure(self, error: Exception) -> APIError:
         """The error response for a generation that could not finish."""
@@ -247,7 +365,7 @@ def _is_json(content_type: str) -> bool:
     return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
 
 
-def load_off_main_thread(config: ServeConfig) -> Pretrained:
+def load_off_main_thread(config: ServeConfig) -> tuple[Pretrained, Pretrained | None]:
     """Load the model on a short-lived thread, so that the main thread never runs parallel tensor work.
 
     The engine computes on its own thread. Weight loading on the main thread would leave that
@@ -256,7 +374,20 @@ def load_off_main_thread(config: ServeConfig) -> Pretrained:
     cores: 19 vs 29 tokens/s at batch 1. The loader thread's team ends with the thread.
     """
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenmind-load") as pool:
-        return pool.submit(load_model, config.model, dtype=config.dtype, quantize=config.quantization).result()
+        return pool.submit(_load_models, config).result()
+
+
+def _load_models(config: ServeConfig) -> tuple[Pretrained, Pretrained | None]:
+    """The model, and the draft model `--speculative MODEL` names (same dtype and quantization)."""
+    pretrained = load_model(config.model, dtype=config.dtype, quantize=config.quantization)
+    if config.speculative in (None, "ngram"):
+        return pretrained, None
+    draft = load_model(config.speculative, dtype=config.dtype, quantize=config.quantization)
+    if draft.tokenizer.vocab_size != pretrained.tokenizer.vocab_size:
+        raise ValueError(f"--speculative {config.speculative}: its vocabulary ({draft.tokenizer.vocab_size} tokens) "
+                         f"is not the model's ({pretrained.tokenizer.vocab_size}); a draft model must share the "
+                         "tokenizer")
+    return pretrained, draft
 
 
 def attach_adapters(pretrained: Pretrained, adapters: dict[str, str]) -> None:
@@ -275,10 +406,11 @@ def build_app(config: ServeConfig, pretrained: Pretrained | None = None) -> Fast
 
     The engine (and its KV cache) is created when the app starts serving and freed when it stops.
     """
+    draft = None
     if pretrained is None:
-        pretrained = load_off_main_thread(config)
+        pretrained, draft = load_off_main_thread(config)
     attach_adapters(pretrained, config.lora)
-    service = Service(config, pretrained)
+    service = Service(config, pretrained, draft)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -294,7 +426,7 @@ def build_app(config: ServeConfig, pretrained: Pretrained | None = None) -> Fast
     install_error_handlers(app)
     _install_guards(app, config, service, pretrained.model.cfg.max_position_embeddings)
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"description": "starting, shutting down, stuck or failed (the body says)"}})
     async def health() -> JSONResponse:
         """200 while requests are accepted; 503 when starting, shutting down, after an engine failure, or
         while one engine step has run longer than `stuck_step_timeout`. Never waits for the engine."""
@@ -317,36 +449,54 @@ def build_app(config: ServeConfig, pretrained: Pretrained | None = None) -> Fast
             return JSONResponse({"status": "unavailable", "reason": reason, "engine": engine}, status_code=503)
         return JSONResponse({"status": "ok", "engine": engine})
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=documented(401))
     async def list_models() -> dict:
         return {"object": "list", "data": [_model_card(service, name) for name in service.model_names]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=documented(401, 404))
     async def get_model(model_id: str) -> dict:
         service.check_model(model_id)
         return _model_card(service, model_id)
 
-    @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
+    @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest), responses=GENERATION_RESPONSES)
     async def chat_completions(request: Request) -> Response:
         return await service.respond(request, ChatCompletionRequest)
 
-    @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
+    @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest), responses=GENERATION_RESPONSES)
     async def completions(request: Request) -> Response:
         return await service.respond(request, CompletionRequest)
 
-    @app.get("/metrics")
+    @app.post("/v1/embeddings", openapi_extra=_json_body(EmbeddingRequest),
+              responses=documented(400, 401, 404, 413, 500, 503))
+    async def embeddings(request: Request) -> JSONResponse:
+        return JSONResponse(await service.embeddings(request))
+
+    @app.post("/tokenize", openapi_extra=_json_body(TokenizeRequest), responses=documented(400, 401, 404, 413))
+    async def tokenize(request: Request) -> JSONResponse:
+        raw = await request.body()
+        return JSONResponse(await asyncio.to_thread(service.tokenize, raw, request.headers.get("content-type")))
+
+    @app.post("/detokenize", openapi_extra=_json_body(DetokenizeRequest), responses=documented(400, 401, 404, 413))
+    async def detokenize(request: Request) -> JSONResponse:
+        raw = await request.body()
+        return JSONResponse(await asyncio.to_thread(service.detokenize, raw, request.headers.get("content-type")))
+
+    @app.get("/metrics", response_class=PlainTextResponse, responses={
+        200: {"content": {METRICS_TYPE: {"schema": {"type": "string"}}},
+              "description": "Prometheus text exposition format 0.0.4"}, **documented(401, 503)})
     async def metrics() -> PlainTextResponse:
         if service.engine is None:
             raise APIError(503, "the engine is not running", type="server_error", code="not_ready")
         text = service.metrics.render(service.engine.snapshot, service.admission.in_flight)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(text, media_type=METRICS_TYPE)
 
     @app.get("/", include_in_schema=False)
     async def chat_page() -> FileResponse:
         return FileResponse(STATIC / "index.html")
 
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
-    _document_request_bodies(app, ChatCompletionRequest, CompletionRequest)
+    _document_request_bodies(app, ChatCompletionRequest, CompletionRequest, EmbeddingRequest, TokenizeRequest,
+                             DetokenizeRequest)
     return app
 
 
@@ -384,13 +534,26 @@ def _document_request_bodies(app: FastAPI, *models: type[BaseModel]) -> None:
                 spec = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.update(spec.pop("$defs", {}))
                 components[model.__name__] = spec
+            for operations in schema["paths"].values():  # bad input is a 400 here, never FastAPI's 422
+                for operation in operations.values():
+                    operation["responses"].pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                components.pop(name, None)
         return app.openapi_schema
 
     app.openapi = openapi
 
 
 def _model_card(service: Service, name: str) -> dict:
-    card = {"id": name, "object": "model", "created": 0, "owned_by": "tokenmind", "max_model_len": service.max_model_len}
+    card = {"id": name, "object": "model", "created": 0, "owned_by": "tokenmind",
+            "max_model_len": service.max_model_len}
     if name != service.model_name:  # a LoRA adapter over the base model, as vLLM lists them
         card.update(root=str(service.config.lora[name]), parent=service.model_name)
     return card
+
+
+def _encode_vector(vector: list[float], encoding: str) -> list[float] | str:
+    """An embedding as JSON floats, or base64 of little-endian float32 (what the openai client asks for)."""
+    if encoding == "float":
+        return vector
+    return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")

@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Overrides, load_config
+from ..engine.speculative import SpeculativeConfig
 from ..model.load import QUANTIZATIONS
+from .tool_calls import FORMATS as TOOL_PARSERS
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
@@ -55,6 +57,9 @@ class ServeConfig:
     exit_on_engine_failure: bool = True  # a failed engine ends the process (status 1) for a supervisor to restart
     shutdown_timeout: float = 30.0  # seconds in-flight requests may run after SIGTERM before being aborted
     retry_after: int = 1  # seconds a 429 tells the client to wait
+    speculative: str | None = None  # "ngram" (prompt lookup) or a draft model with the same tokenizer
+    num_speculative_tokens: int = 8  # the most draft tokens per sequence and step
+    tool_parser: str | None = None  # how replies call tools: hermes, json, generic; None = from the chat template
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -83,6 +88,11 @@ class ServeConfig:
         if clash or any(not name or not path for name, path in self.lora.items()):
             raise ValueError(f"every LoRA adapter needs a name other than the base model's ({self.model_name!r}) "
                              f"and a path, as --lora NAME=PATH; got {self.lora}")
+        if self.tool_parser is not None and self.tool_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_parser={self.tool_parser!r}: choose one of {', '.join(TOOL_PARSERS)} or leave "
+                             "it unset to follow the chat template")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         if self.quantization not in (None, *QUANTIZATIONS):
             raise ValueError(f"quantization={self.quantization!r}: choose one of {', '.join(QUANTIZATIONS)} "
                              "or leave it unset for float weights")
@@ -124,6 +134,9 @@ class ServeConfig:
             options["kv_cache_bytes"] = self.kv_cache_bytes
         if self.max_model_len is not None:
             options["max_model_len"] = self.max_model_len
+        if self.speculative is not None:
+            method = "ngram" if self.speculative == "ngram" else "draft"
+            options["speculative"] = SpeculativeConfig(method, self.num_speculative_tokens)
         return options
 
 

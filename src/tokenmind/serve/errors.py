@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("tokenmind.serve")
@@ -33,6 +34,37 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body, for the OpenAPI description."""
+
+    error: ErrorDetail
+
+
+# What each error status means here, for the OpenAPI description of the routes that can return it.
+STATUS_MEANINGS = {
+    400: "invalid request: bad JSON, a wrong type or value, a prompt too long, an uncompilable schema "
+         "(`error.param` names the field)",
+    401: "missing or wrong `Authorization: Bearer` key (only when the server has an API key)",
+    404: "no such model (see GET /v1/models)",
+    413: "the request body is larger than the server accepts",
+    429: "too many requests running and queued; retry after the `Retry-After` header's seconds",
+    500: "generation failed inside the engine",
+    503: "not ready, shutting down, overloaded (waited too long in the queue; `Retry-After`), or the engine failed",
+}
+
+
+def documented(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The `responses=` of a route that may answer with these error statuses."""
+    return {status: {"model": ErrorResponse, "description": STATUS_MEANINGS[status]} for status in statuses}
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,

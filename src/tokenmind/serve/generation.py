@@ -44,7 +44,10 @@ class Generation:
     """The engine requests of one HTTP request. Create (which admits it), iterate `deltas()`, always `close()`."""
 
     def __init__(self, engine: AsyncEngine, admission: Admission, metrics: Metrics, prompts: list[list[int]],
-                 params: SamplingParams, request_id: str, adapter: str | None = None):
+                 params: SamplingParams, request_id: str, adapter: str | None = None, echo: list[str] | None = None):
+        """`echo`: per prompt, the text each of its choices starts with (its tokens' logprobs too, if
+        `params.prompt_logprobs`)."""
+        self.echo = echo
         self.request_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         admission.admit(self.request_ids)  # 429 / 503 before any work starts
         self.admission, self.metrics, self.n = admission, metrics, params.n
@@ -101,12 +104,17 @@ class Generation:
         deltas = []
         for o in out.outputs:
             index = prompt * self.n + o.index
-            choice = self.choices.setdefault(index, ChoiceState(index))
-            new_logprobs = None
+            new_text, new_logprobs = o.new_text, None
             if o.logprobs is not None:  # logprobs align with token_ids; the new ones are at the end
                 new_logprobs = o.logprobs[len(o.token_ids) - len(o.new_token_ids):len(o.token_ids)]
+            if index not in self.choices and self.echo is not None:  # the choice starts with its prompt
+                new_text = self.echo[prompt] + new_text
+                if out.prompt_logprobs is not None:
+                    new_logprobs = out.prompt_logprobs + (new_logprobs or [])
+            choice = self.choices.setdefault(index, ChoiceState(index))
+            if new_logprobs is not None:
                 choice.logprobs = (choice.logprobs or []) + new_logprobs
-            choice.pieces.append(o.new_text)
+            choice.pieces.append(new_text)
             choice.num_tokens = len(o.token_ids)
             self.metrics.generation_tokens += len(o.new_token_ids)
             if o.ttft_s is not None and not choice.ttft_seen:
@@ -119,8 +127,8 @@ class Generation:
                 choice.finish_reason = o.finish_reason
                 if o.tpot_s is not None:
                     self.metrics.tpot.observe(o.tpot_s)
-            if o.new_text or new_logprobs or finished_now:
-                deltas.append(ChoiceDelta(index, o.new_text, new_logprobs, o.finish_reason if finished_now else None))
+            if new_text or new_logprobs or finished_now:
+                deltas.append(ChoiceDelta(index, new_text, new_logprobs, o.finish_reason if finished_now else None))
         return deltas
 
     def usage(self) -> dict[str, Any]:
@@ -176,7 +184,9 @@ async def server_sent_events(gen: Generation, fmt: ResponseFormat, heartbeat: fl
                 yield ": waiting\n\n"
                 continue
             for delta in deltas:
-                yield _event(fmt.chunk(delta))
+                chunk = fmt.chunk(delta)
+                if chunk is not None:
+                    yield _event(chunk)
         if fmt.include_usage:
             yield _event(fmt.usage_chunk(gen.usage()))
     except Exception as e:

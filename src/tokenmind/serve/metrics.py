@@ -79,6 +79,12 @@ class Metrics:
             ("prefix_cache_hit_rate", "gauge", "prompt tokens served from the prefix cache / looked up",
              stats.prefix_cache_hit_rate),
             ("num_preemptions_total", "counter", "sequences preempted for lack of KV blocks", stats.num_preemptions),
+            ("spec_decode_draft_tokens_total", "counter", "speculative decoding: draft tokens verified",
+             stats.num_drafted_tokens),
+            ("spec_decode_accepted_tokens_total", "counter", "speculative decoding: draft tokens the model kept",
+             stats.num_accepted_tokens),
+            ("spec_decode_acceptance_rate", "gauge", "accepted / verified draft tokens (0 before any)",
+             stats.acceptance_rate),
         ]
         histograms = [  # (name, help, histogram)
             ("time_to_first_token_seconds", "time from arrival in the engine to the first token", self.ttft),

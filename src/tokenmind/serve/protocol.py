@@ -2,7 +2,9 @@
 
 Validation is strict (JSON types as OpenAI documents them: `"0.5"` is not a number, `true` is
 not an integer) and every range OpenAI enforces is enforced here, so a bad field is rejected
-with a 400 naming it before anything reaches the engine. Fields we accept but do not act on
+with a 400 naming it before anything reaches the engine. `response_format` becomes the engine's
+`StructuredOutput`; `tools` and `tool_choice` are checked here and rendered/parsed by the
+chat template's tool format (`tool_calls.py`). Fields we accept but do not act on
 (`user`) are listed; unknown fields are ignored, as OpenAI-compatible servers commonly do.
 A few vLLM-style extensions (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`) expose what
 the engine can do; benchmarks use `ignore_eos` to get outputs of a fixed length.
@@ -12,9 +14,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from ..engine.sampling import SamplingParams
+from ..engine.structured import StructuredOutput
 
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # n siblings use seed + i: still inside torch's 64-bit range
 MAX_N = 128
@@ -22,11 +25,46 @@ MAX_LOGPROBS = 20
 MAX_STOP = 16
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]  # OpenAI's rule for function names
 # OpenAI fields this server does not implement, with the values that ask for nothing: any other
 # value is refused (400 naming the field) rather than silently ignored.
-UNSUPPORTED = {"tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-               "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
-               "logit_bias": (None, {}), "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1)}
+UNSUPPORTED = {"functions": (None, []), "function_call": (None, "none"), "logit_bias": (None, {}),
+               "suffix": (None, ""), "best_of": (None, 1)}
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+    name: FunctionName
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormatParam(BaseModel):
+    """`response_format`: plain text, any JSON object, or JSON valid under a schema (always enforced)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @field_validator("json_schema")
+    @classmethod
+    def _schema_is_an_object(cls, spec: JSONSchemaFormat | None) -> JSONSchemaFormat | None:
+        if spec is not None and "type" in spec.schema_ and not isinstance(spec.schema_["type"], str | list):
+            raise ValueError("json_schema.schema.type must be a string or a list of strings")
+        return spec
+
+    def structured(self) -> StructuredOutput | None:
+        if self.type == "json_object":
+            return StructuredOutput(json_object=True)
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise ValueError("response_format.type is json_schema but json_schema is missing; give "
+                                 '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}')
+            return StructuredOutput(json_schema=self.json_schema.schema_)
+        return None
 
 
 class StreamOptions(BaseModel):
@@ -57,14 +95,11 @@ class SamplingRequest(BaseModel):
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, ge=0.01, le=10.0)  # tinier values overflow the logits
     ignore_eos: bool = False
+    response_format: ResponseFormatParam | None = None
     # not implemented: see UNSUPPORTED
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     logit_bias: Any = None
-    echo: Any = None
     suffix: Any = None
     best_of: Any = None
 
@@ -94,20 +129,30 @@ class SamplingRequest(BaseModel):
         """None = no logprobs; k = the chosen token's logprob and the top k alternatives."""
         raise NotImplementedError
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def num_prompt_logprobs(self) -> int | None:
+        return None
+
+    def structured(self) -> StructuredOutput | None:
+        """The grammar the output must match, if the request asks for one."""
+        return None if self.response_format is None else self.response_format.structured()
+
+    def sampling_params(self, max_tokens: int, structured: StructuredOutput | None = None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
                               top_p=self.top_p, min_p=self.min_p, seed=self.seed, stop=stop,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty, n=self.n, ignore_eos=self.ignore_eos,
-                              logprobs=self.num_logprobs())
+                              logprobs=self.num_logprobs(), prompt_logprobs=self.num_prompt_logprobs(),
+                              structured=structured)
 
 
 class CompletionRequest(SamplingRequest):
     """POST /v1/completions: continue a prompt (text or token ids; a list of them runs a batch)."""
 
     prompt: str | list[int] | list[str] | list[list[int]] = Field(description="text or token ids, or a list of them")
+    max_tokens: int | None = Field(None, ge=0)  # 0 (with echo): score the prompt, generate nothing
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # top alternatives per token
+    echo: bool = False  # the prompt comes back before the completion (its tokens' logprobs too, with logprobs)
 
     @field_validator("prompt")
     @classmethod
@@ -128,6 +173,9 @@ class CompletionRequest(SamplingRequest):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    def num_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
+
 
 class TextPart(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
@@ -136,19 +184,76 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: FunctionName
+    arguments: str  # JSON text, as the model wrote it
+
+
+class MessageToolCall(BaseModel):
+    """A call the assistant made earlier in the conversation, sent back with the history."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call this is the result of
 
-    def for_template(self) -> dict[str, str]:
-        """The {"role", "content"} dict chat templates expect; `developer` is the newer name of `system`."""
+    def for_template(self) -> dict[str, Any]:
+        """The OpenAI-shaped dict (role, content, tool_calls, tool_call_id) that tool formats and chat
+        templates read; `developer` is the newer name of `system`."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                                   "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            message["name"] = self.name
+        return message
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None  # arguments are always schema-valid when a call is forced; auto calls are parsed
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: FunctionName
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -158,6 +263,9 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens; wins if both are set
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[ToolDefinition] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @field_validator("top_logprobs")
     @classmethod
@@ -166,6 +274,16 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("top_logprobs needs logprobs=true")
         return top
 
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_needs_tools(cls, choice: Any, info: ValidationInfo) -> Any:
+        tools = info.data.get("tools") or []
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in tools}:
+            raise ValueError(f"tool_choice names the function {choice.function.name!r}, which is not among `tools`")
+        if choice == "required" and not tools:
+            raise ValueError('tool_choice "required" needs at least one tool in `tools`')
+        return choice
+
     def requested_max_tokens(self) -> tuple[str, int | None]:
         if self.max_completion_tokens is not None:
             return "max_completion_tokens", self.max_completion_tokens
@@ -173,3 +291,74 @@ class ChatCompletionRequest(SamplingRequest):
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as OpenAI-shaped dicts, or None when the model should not see any (none given,
+        or tool_choice "none")."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+    def forced_function(self) -> tuple[bool, str | None]:
+        """(a call is forced, the function it must call or None for any)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return True, self.tool_choice.function.name
+        return self.tool_choice == "required", None
+
+
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit per request
+
+
+class EmbeddingRequest(BaseModel):
+    """POST /v1/embeddings: one vector per input (text or token ids)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str
+    input: NonEmptyStr | list[NonEmptyStr] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"  # base64: little-endian float32 bytes
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _inputs(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            if not value or any(isinstance(v, list) and not v for v in value):
+                raise ValueError("input is empty, or holds an empty token list; give text or token ids")
+            if isinstance(value[0], list | str) and len(value) > MAX_EMBEDDING_INPUTS:
+                raise ValueError(f"at most {MAX_EMBEDDING_INPUTS} inputs per request, got {len(value)}")
+        return value
+
+    def inputs(self) -> list[str | list[int]]:
+        v = self.input
+        if isinstance(v, str) or (v and isinstance(v[0], int)):
+            return [v]
+        return list(v)
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's shape): a prompt, or chat messages rendered by the template."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # for `prompt`; a chat template writes its own special tokens
+    add_generation_prompt: bool = True  # for `messages`: end with the assistant's turn opening
+
+    @model_validator(mode="after")
+    def _one_of(self) -> TokenizeRequest:
+        if (self.messages is None) == (self.prompt is None):
+            raise ValueError("give exactly one of `prompt` (text) and `messages` (a chat)")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize: token ids back to text."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]

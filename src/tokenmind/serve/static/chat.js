@@ -1,7 +1,9 @@
 // The tokenmind chat page: one conversation, streamed over POST /v1/chat/completions (SSE).
 // No framework and no build step. EventSource cannot POST, so the stream is read with fetch +
 // ReadableStream and split into `data: ...` events by hand. Stop aborts the fetch: the server
-// sees the connection close and aborts the generation, freeing its KV cache.
+// sees the connection close and aborts the generation, freeing its KV cache. Assistant replies are
+// rendered as sanitised markdown (vendor/: marked + DOMPurify) and streamed tool calls as blocks of
+// name and arguments; user messages stay plain text.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -20,15 +22,155 @@ function headers() {
   return h;
 }
 
+function element(tag, className, text) {
+  const el = document.createElement(tag);
+  if (className) el.className = className;
+  if (text !== undefined) el.textContent = text;
+  return el;
+}
+
 function addBubble(role, text) {
   ui.empty.hidden = true;
-  const div = document.createElement("div");
-  div.className = "message " + role;
+  const div = element("div", "message " + role, text);  // textContent: user text is never parsed as markup
   div.dataset.role = role;
-  div.textContent = text;  // textContent, never innerHTML: model output is not trusted markup
   ui.conversation.appendChild(div);
   div.scrollIntoView({ block: "end" });
   return div;
+}
+
+// Markdown → HTML is marked's job, HTML → safe DOM is DOMPurify's. Two choices on top: raw HTML in
+// the model's text is shown as text (escaped), not interpreted, and images become plain links, so a
+// reply cannot make the browser fetch a URL on its own. DOMPurify still checks everything marked
+// emits (e.g. it drops `javascript:` hrefs), as a second line of defence.
+const escapeHtml = (s) => s.replace(/[&<>"']/g, (c) => `&#${c.charCodeAt(0)};`);
+const markdown = window.marked && window.DOMPurify && DOMPurify.isSupported
+  ? new marked.Marked({
+    gfm: true,
+    renderer: {
+      html: (token) => (token.block
+        ? `<p class="raw-html">${escapeHtml(token.text.trimEnd())}</p>` : escapeHtml(token.text)),
+      image: (token) => `<a href="${escapeHtml(token.href)}">${escapeHtml(token.text || token.href)}</a>`,
+    },
+  })
+  : null;  // vendor scripts missing: replies fall back to plain text
+
+// Replaces `target`'s children with `text` rendered as sanitised markdown.
+function renderMarkdown(target, text) {
+  if (!markdown) {
+    target.classList.add("plain");
+    target.textContent = text;
+    return;
+  }
+  const fragment = DOMPurify.sanitize(markdown.parse(text), { RETURN_DOM_FRAGMENT: true });
+  for (const link of fragment.querySelectorAll("a[href]")) {
+    link.target = "_blank";
+    link.rel = "noopener noreferrer";
+  }
+  for (const pre of fragment.querySelectorAll("pre")) {
+    const code = pre.querySelector("code");
+    const language = code && /(?:^|\s)language-(\S+)/.exec(code.className);
+    const block = element("div", "code-block");
+    const bar = block.appendChild(element("div", "code-bar"));
+    bar.appendChild(element("span", "language", language ? language[1] : ""));
+    const copy = bar.appendChild(element("button", "copy", "Copy"));
+    copy.type = "button";
+    copy.setAttribute("aria-label", "Copy code");
+    pre.replaceWith(block);
+    block.appendChild(pre);
+  }
+  target.replaceChildren(fragment);
+}
+
+// The Copy buttons are re-created on every render, so one delegated listener serves them all.
+// navigator.clipboard exists only in secure contexts (https, localhost); plain-http hosts fall back.
+async function copyText(text) {
+  if (navigator.clipboard && window.isSecureContext) return navigator.clipboard.writeText(text);
+  const area = element("textarea");
+  area.value = text;
+  area.setAttribute("readonly", "");
+  area.style.position = "fixed";
+  area.style.opacity = "0";
+  document.body.appendChild(area);
+  area.select();
+  const ok = document.execCommand("copy");
+  area.remove();
+  if (!ok) throw new Error("copy refused");
+}
+
+function onCopyClick(event) {
+  const button = event.target.closest("button.copy");
+  if (!button) return;
+  const pre = button.closest(".code-block").querySelector("pre");
+  copyText(pre.textContent).then(() => "Copied", () => "Copy failed").then((label) => {
+    button.textContent = label;
+    setTimeout(() => { button.textContent = "Copy"; }, 1500);
+  });
+}
+
+// One assistant message while it streams: the text so far (re-rendered as markdown at most once a
+// frame, so a long reply costs one parse per frame, not per token) and its tool calls. A half-written
+// code fence is harmless: marked treats an unclosed fence as running to the end of the text.
+class AssistantMessage {
+  constructor(bubble) {
+    this.bubble = bubble;
+    this.content = bubble.appendChild(element("div", "content"));
+    this.tools = bubble.appendChild(element("div", "tool-calls"));
+    this.text = "";
+    this.calls = [];  // by delta index: {id, name, args, block}
+    this.frame = 0;
+  }
+
+  appendText(delta) {
+    this.text += delta;
+    this.schedule();
+  }
+
+  // OpenAI streaming format: fragments share an `index`; the first carries id and function name,
+  // later ones carry pieces of `function.arguments` that concatenate to a JSON string.
+  appendToolCall(delta) {
+    const index = delta.index ?? 0;
+    if (!this.calls[index]) {
+      const block = element("div", "tool-call");
+      block.setAttribute("role", "group");
+      const head = block.appendChild(element("div", "tool-head"));
+      head.append(element("span", "muted", "Tool call "), element("code", "tool-name"),
+        element("span", "tool-id muted"));
+      block.appendChild(element("pre", "tool-args"));
+      this.tools.appendChild(block);
+      this.calls[index] = { id: "", name: "", args: "", block };
+    }
+    const call = this.calls[index];
+    if (delta.id) call.id = delta.id;
+    if (delta.function && delta.function.name) call.name += delta.function.name;
+    if (delta.function && delta.function.arguments) call.args += delta.function.arguments;
+    this.schedule();
+  }
+
+  schedule() {
+    if (!this.frame) this.frame = requestAnimationFrame(() => this.render());
+  }
+
+  render() {
+    if (this.frame) cancelAnimationFrame(this.frame);
+    this.frame = 0;
+    renderMarkdown(this.content, this.text);
+    for (const call of this.calls.filter(Boolean)) {
+      call.block.setAttribute("aria-label", "Tool call " + call.name);
+      call.block.querySelector(".tool-name").textContent = call.name;
+      call.block.querySelector(".tool-id").textContent = call.id ? " " + call.id : "";
+      call.block.querySelector(".tool-args").textContent = prettyJson(call.args);
+    }
+    this.bubble.scrollIntoView({ block: "end" });
+  }
+}
+
+// Arguments as indented JSON once they parse; until then (mid-stream) the raw fragments.
+function prettyJson(text) {
+  try {
+    return JSON.stringify(JSON.parse(text), null, 2);
+  } catch (_) {
+    return text;
+  }
 }
 
 function addNote(bubble, text) {
@@ -93,20 +235,23 @@ function setBusy(busy) {
 async function send(text) {
   if (!state.model) await loadModel();
   if (!state.model) return;
-  state.messages.push({ role: "user", content: text });
+  const messages = state.messages;  // New chat swaps in a new list; this turn finishes into its own
+  messages.push({ role: "user", content: text });
   addBubble("user", text);
   const bubble = addBubble("assistant", "");
+  const message = new AssistantMessage(bubble);
   bubble.classList.add("streaming");
+  ui.conversation.setAttribute("aria-busy", "true");  // screen readers wait for the finished reply
   const system = ui.system.value.trim();
   const body = {
     model: state.model, stream: true, stream_options: { include_usage: true },
-    messages: (system ? [{ role: "system", content: system }] : []).concat(state.messages),
+    messages: (system ? [{ role: "system", content: system }] : []).concat(messages),
     temperature: Number(ui.temperature.value), max_tokens: Number(ui.maxTokens.value),
   };
   state.controller = new AbortController();
   setBusy(true);
   ui.status.textContent = "generating…";
-  let reply = "", finish = null, usage = null;
+  let finish = null, usage = null;
   const started = performance.now();
   try {
     const response = await fetch("/v1/chat/completions", {
@@ -116,37 +261,39 @@ async function send(text) {
     for await (const chunk of serverSentEvents(response.body)) {
       if (chunk.error) throw new Error(chunk.error.message);
       if (chunk.usage) usage = chunk.usage;
-      for (const choice of chunk.choices) {
-        if (choice.delta && choice.delta.content) {
-          reply += choice.delta.content;
-          bubble.textContent = reply;
-          bubble.scrollIntoView({ block: "end" });
-        }
+      for (const choice of chunk.choices || []) {
+        const delta = choice.delta || {};
+        if (delta.content) message.appendText(delta.content);
+        for (const call of delta.tool_calls || []) message.appendToolCall(call);
         if (choice.finish_reason) finish = choice.finish_reason;
       }
     }
+    message.render();
+    if (finish === "tool_calls") addNote(bubble, "finish_reason: tool_calls (this page does not run tools)");
     const seconds = (performance.now() - started) / 1000;
     ui.status.textContent = usage
       ? `${usage.completion_tokens} tokens in ${seconds.toFixed(1)} s (${(usage.completion_tokens / seconds).toFixed(1)} tok/s), finish: ${finish}`
       : `finish: ${finish}`;
     bubble.dataset.finish = finish || "";
   } catch (e) {
+    message.render();
     if (e.name === "AbortError") {
       addNote(bubble, "[stopped]");
       bubble.dataset.finish = "stopped";
       ui.status.textContent = "stopped";
     } else {
       bubble.classList.add("error");
-      bubble.textContent = reply;
       addNote(bubble, "error: " + e.message);
       bubble.dataset.finish = "error";
       ui.status.textContent = "error";
     }
   } finally {
     bubble.classList.remove("streaming");
+    ui.conversation.removeAttribute("aria-busy");
     // What was said stays in the conversation, also when stopped early; a failed turn is dropped.
-    if (bubble.dataset.finish === "error") state.messages.pop();
-    else state.messages.push({ role: "assistant", content: reply });
+    // Tool calls are shown but not sent back: the page offers no tools, so it has no results to pair them with.
+    if (bubble.dataset.finish === "error") messages.pop();
+    else messages.push({ role: "assistant", content: message.text });
     state.controller = null;
     setBusy(false);
     ui.input.focus();
@@ -166,6 +313,7 @@ ui.input.addEventListener("keydown", (event) => {
     ui.form.requestSubmit();
   }
 });
+ui.conversation.addEventListener("click", onCopyClick);
 ui.stop.addEventListener("click", () => state.controller && state.controller.abort());
 ui.newChat.addEventListener("click", () => {
   if (state.controller) state.controller.abort();
