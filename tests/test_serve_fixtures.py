@@ -87,8 +87,9 @@ def tiny_pretrained(step_delay: float = 0.0, context: int = 256) -> Pretrained:
 class LiveServer:
     """A uvicorn server on 127.0.0.1 (a free port) in a background thread."""
 
-    def __init__(self, pretrained: Pretrained, **options):
-        self.config = ServeConfig(model=MODEL, port=0, log_level="warning", **options)
+    def __init__(self, pretrained: Pretrained | None, model: str = MODEL, **options):
+        """`pretrained` None: the server loads `model` itself, as `tokenmind serve` does."""
+        self.config = ServeConfig(model=model, port=0, log_level="warning", **options)
         self.server = uvicorn_server(self.config, pretrained)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.service = self.server.config.app.state.service

@@ -12,6 +12,8 @@ import torch
 from test_engine_llm import naive_greedy
 from test_serve_fixtures import MODEL, LiveServer, tiny_pretrained
 
+from tokenmind.model.load import load_model, save_model
+
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "size"],
           "properties": {"city": {"type": "string", "maxLength": 10}, "size": {"enum": ["small", "large"]}}}
 WEATHER = {"type": "function", "function": {
@@ -232,6 +234,20 @@ def test_speculative_server_output_equals_plain_decoding_and_reports_acceptance(
     rate = metrics["tokenmind_spec_decode_acceptance_rate"]
     assert rate == metrics["tokenmind_spec_decode_accepted_tokens_total"] / \
         metrics["tokenmind_spec_decode_draft_tokens_total"]
+
+
+def test_a_draft_model_speculates_in_the_server(pretrained, tmp_path):
+    """`serve --model DIR --speculative DRAFT_DIR` loads both; a draft equal to the model is always right."""
+    save_model(pretrained, tmp_path / "model")
+    saved = load_model(tmp_path / "model")  # a plain Transformer: without the fixture's printable-only mask
+    expected = saved.tokenizer.decode(naive_greedy(saved.model, saved.tokenizer.encode("draft me"), 16))
+    with LiveServer(None, model=str(tmp_path / "model"), served_model_name=MODEL,
+                    speculative=str(tmp_path / "model")) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        out = client.completions.create(model=MODEL, prompt="draft me", max_tokens=16, temperature=0)
+        metrics = s.metrics()
+    assert out.choices[0].text == expected
+    assert metrics["tokenmind_spec_decode_acceptance_rate"] == 1.0
 
 
 def test_openapi_documents_every_status_and_the_metrics_type(server):

@@ -3,16 +3,13 @@ trained for tools: Hermes `<tool_call>` markup, which its vocabulary holds as on
 Slow, and skipped unless `tokenmind fetch-model qwen2.5-coder-0.5b` has cached the model."""
 
 import json
-import threading
 
 import jsonschema
 import openai
 import pytest
 from test_serve_fixtures import LiveServer
 
-from tokenmind.model.load import ALIASES, load_model
-from tokenmind.serve import ServeConfig
-from tokenmind.serve.server import uvicorn_server
+from tokenmind.model.load import ALIASES
 
 PATH = ALIASES["qwen2.5-coder-0.5b"].path()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not PATH.is_file(), reason=f"{PATH} not cached; run: "
@@ -26,17 +23,9 @@ WEATHER = {"type": "function", "function": {
 ASK = [{"role": "user", "content": "What's the weather like in Oslo right now?"}]
 
 
-class QwenServer(LiveServer):
-    def __init__(self, pretrained):
-        self.config = ServeConfig(model=NAME, port=0, log_level="warning")
-        self.server = uvicorn_server(self.config, pretrained)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.service = self.server.config.app.state.service
-
-
 @pytest.fixture(scope="module")
 def client():
-    with QwenServer(load_model(NAME)) as server:
+    with LiveServer(None, model=NAME) as server:
         yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 

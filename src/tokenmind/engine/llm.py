@@ -395,7 +395,7 @@ class Engine:
             return
         seq.append_token(token, logprob)
         self.num_generated_tokens += 1
-        complete = advance(seq, token)  # a grammar that allows nothing more
+        complete = advance(seq.matcher, token)  # a grammar that allows nothing more
         if seq.stream.push(token) or complete:
             self._finish(seq, "stop", now)
         elif seq.num_tokens >= seq.max_len:

@@ -127,7 +127,7 @@ def sample_batch(logits: torch.Tensor, seqs: list[Sequence],
     """Pick the next token of each sequence from its row of (S, V) logits; also its logprobs if asked.
     Sequences with a grammar (`structured.py`) pick only among the tokens it allows."""
     logits = apply_penalties(logits.float(), seqs)
-    allowed = mask_logits(logits, seqs, grammar)
+    allowed = mask_logits(logits, [s.matcher for s in seqs], grammar)
     token_list = allowed.argmax(-1).tolist()
     sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if sampled:

@@ -4,7 +4,7 @@
 once per request and then, per step, tells which tokens may come next (a bitmask). The engine
 keeps one `llguidance.LLMatcher` per sequence (forks copy it), masks the disallowed tokens to -inf
 in the batched sampler before the draw (`mask_logits`), and feeds it each chosen token
-(`Sequence` → `advance`). When the grammar is complete and nothing more may follow, the sequence
+(`advance`). When the grammar is complete and nothing more may follow, the sequence
 ends with finish reason "stop"; when more may follow, EOS is among the allowed tokens.
 
 Compiling takes 0.01–2 s for a large schema, so the server compiles on its request thread
@@ -24,8 +24,6 @@ import torch
 
 if TYPE_CHECKING:
     import llguidance
-
-    from .sequence import Sequence
 
 # JSON laid out as json.dumps does ({"a": 1, "b": 2}): the layout models saw most, and no free
 # whitespace, which a small model can otherwise emit forever (a newline loop inside an object).
@@ -144,16 +142,17 @@ def _bits_to_mask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
-def mask_logits(logits: torch.Tensor, seqs: list[Sequence], compiler: GrammarCompiler | None) -> torch.Tensor:
-    """(S, V) logits with every token a sequence's grammar forbids at -inf (a copy if any is constrained)."""
-    rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
+def mask_logits(logits: torch.Tensor, matchers: list[llguidance.LLMatcher | None],
+                compiler: GrammarCompiler | None) -> torch.Tensor:
+    """(S, V) logits with every token a row's matcher forbids at -inf (a copy if any row has one)."""
+    rows = [i for i, m in enumerate(matchers) if m is not None]
     if not rows:
         return logits
     V = logits.shape[-1]
     words = (V + 31) // 32
     bitmask = torch.full((len(rows), words), -1, dtype=torch.int32)
     # llguidance fills row j for matcher j, in parallel across its threads (the GIL released)
-    compiler.executor.unsafe_compute_mask_ptr([(seqs[i].matcher, j) for j, i in enumerate(rows)],
+    compiler.executor.unsafe_compute_mask_ptr([(matchers[i], j) for j, i in enumerate(rows)],
                                               bitmask.data_ptr(), words * 4, len(rows))
     allowed = _bits_to_mask(bitmask, V).to(logits.device)
     logits = logits.clone()
@@ -161,11 +160,11 @@ def mask_logits(logits: torch.Tensor, seqs: list[Sequence], compiler: GrammarCom
     return logits
 
 
-def advance(seq: Sequence, token: int) -> bool:
-    """Feed the sequence's matcher its new token; True when the grammar allows nothing more."""
-    if seq.matcher is None:
+def advance(matcher: llguidance.LLMatcher | None, token: int) -> bool:
+    """Feed a sequence's matcher (if it has one) its new token; True when the grammar allows nothing more."""
+    if matcher is None:
         return False
-    if not seq.matcher.consume_token(token):
-        raise RuntimeError(f"the grammar rejected token {token} it had allowed: {seq.matcher.get_error()}")
-    return seq.matcher.is_stopped()
+    if not matcher.consume_token(token):
+        raise RuntimeError(f"the grammar rejected token {token} it had allowed: {matcher.get_error()}")
+    return matcher.is_stopped()
 
