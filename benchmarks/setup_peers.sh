@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Create benchmarks/.venv-peers with llama.cpp's Python binding and server (the speed peer), kept out
-# of the project's own dependencies. Compiling takes ~10 minutes on 2 cores; the built wheel is cached
-# in ~/.cache/tokenmind/wheels so a second run takes seconds.
+# Create benchmarks/.venv-peers with llama.cpp's Python binding (the batch-1 speed peer of
+# peer_llamacpp.py), kept out of the project's own dependencies. The serving peer is llama.cpp's C++
+# server, built by setup_llama_server.sh; the binding's own server (one request at a time) is not used.
+# Compiling takes ~10 minutes on 2 cores; the built wheel is cached in ~/.cache/tokenmind/wheels so a
+# second run takes seconds.
 #
 # The ISA list is explicit: this CPU advertises AMX but the hypervisor does not enable its tile state,
 # and a -march=native build dies with SIGILL at the first decode (see ../shared/PEERS.md).
@@ -22,6 +24,6 @@ if ! ls "$WHEELS"/llama_cpp_python-"$VERSION"-*.whl >/dev/null 2>&1; then
 -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
         "$VENV/bin/pip" wheel --no-cache-dir --no-deps --wheel-dir "$WHEELS" "llama-cpp-python==$VERSION"
 fi
-"$VENV/bin/pip" install --quiet --find-links "$WHEELS" "llama-cpp-python[server]==$VERSION"
-"$VENV/bin/python" -c "import llama_cpp, llama_cpp.server; print('llama-cpp-python', llama_cpp.__version__, 'ready in', '$PWD/$VENV')"
+"$VENV/bin/pip" install --quiet --find-links "$WHEELS" "llama-cpp-python==$VERSION"
+"$VENV/bin/python" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__, 'ready in', '$PWD/$VENV')"
 touch "$VENV/.ready"  # benchmarks/_common.py looks for this
