@@ -25,7 +25,7 @@ ASK = [{"role": "user", "content": "What's the weather like in Oslo right now?"}
 
 @pytest.fixture(scope="module")
 def client():
-    with LiveServer(None, model=NAME) as server:
+    with LiveServer(None, model=NAME, kv_cache_bytes=256 * 2**20) as server:
         yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
