@@ -30,7 +30,7 @@ def server(pretrained):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return server.openai()
 
 
 def reference(pretrained, messages, max_tokens):

@@ -101,7 +101,7 @@ def test_unknown_model_route_and_method(server):
     error = assert_error(httpx.post(server.url + CHAT, json={"model": "gpt-4o", "messages": MESSAGES}), 404, "model",
                          "model_not_found")
     assert MODEL in error["message"]
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    client = server.openai()
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4o", messages=MESSAGES)
     assert_error(httpx.get(server.url + "/v1/nothing"), 404, code="not_found")
@@ -123,8 +123,8 @@ def test_api_key_is_required_except_for_health():
         assert httpx.get(server.url + "/health").status_code == 200
         assert httpx.get(server.url + "/").status_code == 200  # the page asks for the key itself
         with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
-        good = openai.OpenAI(base_url=server.url + "/v1", api_key="sesame", max_retries=0)
+            server.openai("wrong").models.list()
+        good = server.openai("sesame")
         assert good.chat.completions.create(**body).usage.completion_tokens == 2
         assert server.metrics()['tokenmind_requests_total{endpoint="/v1/chat/completions",status="401"}'] == 4
 
@@ -149,7 +149,7 @@ def test_overload_gets_429_with_retry_after_while_admitted_requests_finish():
         refused = httpx.post(server.url + CHAT, json=body)
         assert_error(refused, 429, code="queue_full")
         assert refused.headers["Retry-After"] == "1"
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        client = server.openai()
         with pytest.raises(openai.RateLimitError):
             client.chat.completions.create(**{**body, "stream": False})
         for t in threads:

@@ -109,6 +109,12 @@ class LiveServer:
         self.server.should_exit = True
         self.thread.join(timeout=30)
 
+    def openai(self, api_key: str = "unused") -> "openai.OpenAI":
+        """The official client for this server (no retries: a test sees every error)."""
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0)
+
     def metrics(self) -> dict[str, float]:
         """Prometheus samples as {"name{labels}": value}."""
         headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}

@@ -45,7 +45,7 @@ def merged_answer(adapter_dir, messages, max_tokens):
 def test_each_adapter_answers_as_its_merged_model_in_one_batch(adapters):
     messages = [{"role": "user", "content": "Tell me a story."}]
     with LiveServer(tiny_pretrained(), lora={k: str(v) for k, v in adapters.items()}) as server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        client = server.openai()
         listed = {m.id: m for m in client.models.list().data}
         assert set(listed) == {MODEL, "pirate", "poet"} and listed["poet"].model_extra["parent"] == MODEL
 

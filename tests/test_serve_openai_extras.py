@@ -10,6 +10,7 @@ import openai
 import pytest
 import torch
 from test_engine_llm import naive_greedy
+import test_serve_api
 from test_serve_fixtures import MODEL, LiveServer, tiny_pretrained
 
 from tokenmind.model.load import load_model, save_model
@@ -28,19 +29,11 @@ SCHEMAS = {"get_weather": WEATHER["function"]["parameters"], "get_time": TIME["f
 
 
 @pytest.fixture(scope="module")
-def pretrained():
+def pretrained():  # the generic tool format's system message needs a longer context than test_serve_api's
     return tiny_pretrained(context=2048)
 
 
-@pytest.fixture(scope="module")
-def server(pretrained):
-    with LiveServer(pretrained) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+server, client = test_serve_api.server, test_serve_api.client  # the live server and its client, on this model
 
 
 def full_logprobs(pretrained, ids):
@@ -226,7 +219,7 @@ def test_speculative_server_output_equals_plain_decoding_and_reports_acceptance(
     ids = pretrained.tokenizer.encode(prompt)
     expected = pretrained.tokenizer.decode(naive_greedy(pretrained.model, ids, 24))
     with LiveServer(pretrained, speculative="ngram", num_speculative_tokens=4) as s:
-        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        client = s.openai()
         outs = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0) for _ in range(2)]
         metrics = s.metrics()
     assert [o.choices[0].text for o in outs] == [expected, expected]
@@ -243,7 +236,7 @@ def test_a_draft_model_speculates_in_the_server(pretrained, tmp_path):
     expected = saved.tokenizer.decode(naive_greedy(saved.model, saved.tokenizer.encode("draft me"), 16))
     with LiveServer(None, model=str(tmp_path / "model"), served_model_name=MODEL,
                     speculative=str(tmp_path / "model")) as s:
-        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        client = s.openai()
         out = client.completions.create(model=MODEL, prompt="draft me", max_tokens=16, temperature=0)
         metrics = s.metrics()
     assert out.choices[0].text == expected

@@ -5,7 +5,6 @@ Slow, and skipped unless `tokenmind fetch-model qwen2.5-coder-0.5b` has cached t
 import json
 
 import jsonschema
-import openai
 import pytest
 from test_serve_fixtures import LiveServer
 
@@ -26,7 +25,7 @@ ASK = [{"role": "user", "content": "What's the weather like in Oslo right now?"}
 @pytest.fixture(scope="module")
 def client():
     with LiveServer(None, model=NAME, kv_cache_bytes=256 * 2**20) as server:
-        yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        yield server.openai()
 
 
 def test_the_model_calls_a_tool_on_its_own_streamed_or_not(client):

