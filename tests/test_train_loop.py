@@ -37,7 +37,7 @@ def test_pretrain_learns_and_writes_every_output(shards: Path, tmp_path: Path) -
     records = read_jsonl(result.metrics_path)
     train = [r for r in records if "loss" in r]
     assert [r["step"] for r in train] == list(range(1, 41))
-    assert set(train[0]) == {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "tokens", "elapsed"}
+    assert set(train[0]) == {"step", "loss", "lr", "grad_norm", "step_s", "tokens_per_s", "mfu", "tokens", "elapsed"}
     assert [r["step"] for r in records if "val_loss" in r] == [20, 40]
     assert train[0]["lr"] == pytest.approx(5e-3)  # warmup step 1 of 2
     assert result.plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from .config import comma_list, mebibytes, name_equals_path, zero_is_none
 
@@ -217,6 +218,18 @@ def cmd_posttrain_raft(args, overrides: list[str]) -> None:
         print(f"round {r['round']}: accepted {r['accepted']} of {r['prompts']} prompts (best-of-{args.n} mean score "
               f"{r['mean_best_score']:.3f}, first sample {r['mean_first_score']:.3f}); SFT loss {r['final_loss']:.4f}")
     print(f"model: {reports[-1]['model']}")
+
+
+def cmd_rl(args, overrides: list[str]) -> None:
+    from .posttrain.rl_train import load_rl_config, rl_train
+
+    defaults = {"rl.algo": args.algo} if args.algo else {}
+    if args.task:
+        defaults["data.task"] = args.task
+    cfg = load_rl_config(args.config, overrides, defaults)
+    result = rl_train(cfg)
+    _print_trained(result)
+    print(f"RL report: {Path(cfg.train.out_dir) / 'rl.png'}")
 
 
 def cmd_data_pairs(args) -> None:
@@ -508,6 +521,19 @@ def build_parser() -> argparse.ArgumentParser:
                             description=f"{what}. {details}; output runs/{method}.")
         p.add_argument("--config", default=None, help="YAML config (sections as above)")
         p.set_defaults(func=func, takes_overrides=True)
+    p = sub.add_parser("rl", help="online RL, verifiable rewards: REINFORCE, RLOO, PPO, GRPO, Dr.GRPO, DAPO",
+                       description="Online RL on tokenmind's own engine: each step samples groups of completions from "
+                                   "the live policy, scores them with rewards (the task's verifier, format, code tests, "
+                                   "a reward model) and takes a policy-gradient step. Held-out accuracy every "
+                                   "--train.eval_every steps; curves in OUT/rl.png. E.g. tokenmind rl --algo grpo "
+                                   "--task gym:basic_arithmetic --train.steps=60. Sections: rl, data, lora, optim, "
+                                   "schedule, train; see docs/posttraining.md.")
+    p.add_argument("--config", default=None, help="YAML RL config (e.g. src/tokenmind/configs/rl_smollm2.yaml)")
+    p.add_argument("--algo", default=None, choices=["reinforce", "rloo", "ppo", "grpo", "dr_grpo", "dapo"],
+                   help="the algorithm (default: the config's, else grpo)")
+    p.add_argument("--task", default=None, help="gym:NAME (a reasoning-gym generator) or multistep")
+    p.set_defaults(func=cmd_rl, takes_overrides=True)
+
     p = post.add_parser("raft", help="rejection-sampling fine-tuning: sample N, keep the best, SFT, repeat",
                         description="RAFT: each round samples --n answers per prompt from the current model, scores "
                                     "them (--scorer verifier:NAME or rm:PATH), keeps each prompt's best if it reaches "

@@ -469,10 +469,11 @@ class LLM:
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None,
-                 progress: bool | None = None) -> list[RequestOutput]:
+                 progress: bool | None = None, adapter: str | None = None) -> list[RequestOutput]:
         """Generate for every prompt (text, or token ids) and return the outputs in prompt order.
 
         `progress`: a progress bar on stderr; None = only for several prompts on a terminal.
+        `adapter`: the model's LoRA adapter every request runs with (None: the base model).
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -482,7 +483,7 @@ class LLM:
         ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params_list):
-                ids.append(self.engine.add_request(prompt, p))
+                ids.append(self.engine.add_request(prompt, p, adapter=adapter))
         except Exception:
             for request_id in ids:
                 self.engine.abort(request_id)

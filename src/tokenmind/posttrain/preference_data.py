@@ -267,40 +267,46 @@ class UnitLoader(RowLoader):
         super().__init__(cfg, len(self.rows), f"{len(self.units)} preference examples")
 
     def batch_for_rows(self, rows: Sequence[int]) -> SequenceBatch:
-        shape = (len(rows), self.cfg.seq_len)
-        inputs, docs, positions = (np.zeros(shape, dtype=np.int64) for _ in range(3))
-        targets = np.full(shape, IGNORE_INDEX, dtype=np.int64)
-        sequence, parents = np.full(shape, -1, dtype=np.int64), np.full(shape, -1, dtype=np.int64)
-        last, lengths, ref, members, labels, unit_ids = [], [], [], [], [], []
-        for r, row in enumerate(rows):
-            start = doc = 0
-            for index in self.rows[row]:
-                unit = self.units[index]
-                unit_ids.append(index)
-                labels.append(1.0 if unit.label is None else float(unit.label))
-                ref.extend(unit.ref_logps if unit.ref_logps is not None else [0.0] * len(unit.members))
-                members.append(list(range(len(last), len(last) + len(unit.members))))
-                shared, parent = unit.shared, -1
-                if shared:  # the common prompt, once
-                    inputs[r, start:start + shared], docs[r, start:start + shared] = unit.members[0].ids[:shared], doc
-                    positions[r, start:start + shared] = np.arange(shared)
-                    start, parent, doc = start + shared, doc, doc + 1
-                for seq in unit.members:
-                    end = start + len(seq.ids) - shared
-                    inputs[r, start:end], docs[r, start:end], parents[r, start:end] = seq.ids[shared:], doc, parent
-                    positions[r, start:end] = np.arange(shared, len(seq.ids))
-                    # the target at a position is the next token: the answer's tokens are targets from its
-                    # start - 1 on (shared <= start - 1, so that position is in this member's own part)
-                    first = start + seq.start - 1 - shared
-                    targets[r, first:end - 1] = seq.ids[seq.start:]
-                    sequence[r, first:end - 1] = len(last)
-                    last.append(r * shape[1] + end - 1)
-                    lengths.append(len(seq.ids) - seq.start)
-                    start, doc = end, doc + 1
-            docs[r, start:], positions[r, start:] = doc, np.arange(shape[1] - start)
-        tensor = torch.from_numpy
-        return SequenceBatch(
-            *(tensor(a) for a in (inputs, targets, docs, positions, parents, sequence)),
-            torch.tensor(last), torch.tensor(lengths, dtype=torch.float32), torch.tensor(ref, dtype=torch.float32),
-            torch.tensor(members, dtype=torch.long).reshape(len(members), -1),
-            torch.tensor(labels, dtype=torch.float32), torch.tensor(unit_ids))
+        return unit_batch([self.rows[row] for row in rows], self.units, self.cfg.seq_len)
+
+
+def unit_batch(rows: Sequence[Sequence[int]], units: Sequence[Unit], seq_len: int) -> SequenceBatch:
+    """Rows of `seq_len` tokens holding the given units (indices into `units`, one list per row),
+    each unit's shared prompt once and each member its own document (see the module docstring)."""
+    shape = (len(rows), seq_len)
+    inputs, docs, positions = (np.zeros(shape, dtype=np.int64) for _ in range(3))
+    targets = np.full(shape, IGNORE_INDEX, dtype=np.int64)
+    sequence, parents = np.full(shape, -1, dtype=np.int64), np.full(shape, -1, dtype=np.int64)
+    last, lengths, ref, members, labels, unit_ids = [], [], [], [], [], []
+    for r, row in enumerate(rows):
+        start = doc = 0
+        for index in row:
+            unit = units[index]
+            unit_ids.append(index)
+            labels.append(1.0 if unit.label is None else float(unit.label))
+            ref.extend(unit.ref_logps if unit.ref_logps is not None else [0.0] * len(unit.members))
+            members.append(list(range(len(last), len(last) + len(unit.members))))
+            shared, parent = unit.shared, -1
+            if shared:  # the common prompt, once
+                inputs[r, start:start + shared], docs[r, start:start + shared] = unit.members[0].ids[:shared], doc
+                positions[r, start:start + shared] = np.arange(shared)
+                start, parent, doc = start + shared, doc, doc + 1
+            for seq in unit.members:
+                end = start + len(seq.ids) - shared
+                inputs[r, start:end], docs[r, start:end], parents[r, start:end] = seq.ids[shared:], doc, parent
+                positions[r, start:end] = np.arange(shared, len(seq.ids))
+                # the target at a position is the next token: the answer's tokens are targets from its
+                # start - 1 on (shared <= start - 1, so that position is in this member's own part)
+                first = start + seq.start - 1 - shared
+                targets[r, first:end - 1] = seq.ids[seq.start:]
+                sequence[r, first:end - 1] = len(last)
+                last.append(r * shape[1] + end - 1)
+                lengths.append(len(seq.ids) - seq.start)
+                start, doc = end, doc + 1
+        docs[r, start:], positions[r, start:] = doc, np.arange(shape[1] - start)
+    tensor = torch.from_numpy
+    return SequenceBatch(
+        *(tensor(a) for a in (inputs, targets, docs, positions, parents, sequence)),
+        torch.tensor(last), torch.tensor(lengths, dtype=torch.float32), torch.tensor(ref, dtype=torch.float32),
+        torch.tensor(members, dtype=torch.long).reshape(len(members), -1),
+        torch.tensor(labels, dtype=torch.float32), torch.tensor(unit_ids))

@@ -37,36 +37,10 @@ from ..engine.sampling import SamplingParams
 from ..model.load import Pretrained
 from ..jsonl import atomic_open, write_jsonl
 from .pairs import EvalFilter, as_messages, preference_pair, unpaired
+from .rewards import load_scorer, score
 from .sft import load_sft_config, sft
-from .tasks import Prompt, get_verifier
 
 Item = dict[str, Any]  # {"prompt": chat or text, "id"?, **meta}; meta goes to reward functions
-
-
-def load_scorer(spec: str) -> Any:
-    """`verifier:NAME` (a reward function of `tasks.py`: numeric, choice, multistep, reasoning-gym)
-    or `rm:PATH` (a trained reward model)."""
-    kind, _, name = spec.partition(":")
-    if kind == "verifier" and name:
-        return get_verifier(name)
-    if kind == "rm" and name:
-        try:
-            from .reward import load_reward_model
-        except ImportError as err:  # a ValueError, so the CLI prints it as a usage error
-            raise ValueError(f"scorer {spec!r} needs tokenmind.posttrain.reward.load_reward_model, which this "
-                              f"install lacks ({err}); use a verifier scorer (verifier:numeric, ...) instead") from err
-        return load_reward_model(name)
-    raise ValueError(f"unknown scorer {spec!r}; use verifier:NAME (numeric, choice, multistep, reasoning-gym) "
-                     "or rm:PATH (a trained reward model)")
-
-
-def score(scorer: Any, prompts: Sequence[Prompt], completions: Sequence[str], metas: Sequence[dict]) -> list[float]:
-    """Scores of the completions: a reward model's `.score` on the whole batch (prompts as they were
-    sampled: chats, or plain text that was continued), else the reward function once per completion
-    with its item's fields."""
-    if hasattr(scorer, "score"):
-        return [float(s) for s in scorer.score(list(prompts), list(completions))]
-    return [float(scorer(p, c, **m)) for p, c, m in zip(prompts, completions, metas)]
 
 
 @dataclass

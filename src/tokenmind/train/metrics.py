@@ -113,8 +113,12 @@ class MetricsLogger:
     def _summary(record: dict[str, Any]) -> str:
         if "val_loss" in record:
             return f"val_loss {record['val_loss']:.4f}"
+        if "loss" not in record:  # an evaluator's numbers
+            return " ".join(f"{k} {v:.4g}" for k, v in record.items() if k.startswith("eval_"))
         parts = [f"loss {record['loss']:.4f}", f"lr {record['lr']:.2e}", f"|g| {record['grad_norm']:.3f}",
                  f"{record['tokens_per_s']:,.0f} tok/s"]
+        if "reward" in record:  # an RL step
+            parts.insert(1, f"reward {record['reward']:.3f}")
         if record.get("mfu") is not None:
             parts.append(f"MFU {100 * record['mfu']:.1f}%")
         return "  ".join(parts)

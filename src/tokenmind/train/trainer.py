@@ -39,6 +39,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -80,7 +81,10 @@ class TrainingDiverged(RuntimeError):
 class Loader(Protocol):
     """What the Trainer needs of a loader: endless batches (anything with `.to(device)` that the
     objective takes) and its exact position, saved in checkpoints. A validation loader also has
-    `batches_per_epoch`, the batches of one pass over its data."""
+    `batches_per_epoch`, the batches of one pass over its data. A loader that does work of its own
+    (an RL rollout loader samples) may also have `pop_metrics() -> dict`: what it measured since
+    it was last asked, logged with the step (a `tokens` entry there counts the step's tokens when
+    batches vary in size)."""
 
     def __next__(self) -> Any: ...
     def state_dict(self) -> dict[str, Any]: ...
@@ -125,14 +129,17 @@ class Trainer:
     takes `TokenBatch`es). tokenizer: saved with the exported model, so the export chats as is.
     adapter_base: for a model with LoRA adapters (`model/lora.py`), where its frozen base comes
     from; then only the trainable parameters are optimized and checkpointed, and the export is a
-    PEFT adapter directory naming that base.
+    PEFT adapter directory naming that base. evaluator: a function measuring the model in its
+    own way (held-out accuracy through the engine, say), run with validation and once before
+    the first step, so its curve starts at the starting model; logged as `eval_NAME`.
     """
 
     def __init__(self, cfg: RunConfig, ctx: DistContext, model: Transformer, loader: Loader,
                  val_loader: Loader | None = None, objective: Objective | None = None,
-                 tokenizer: Tokenizer | None = None, adapter_base: str = "") -> None:
+                 tokenizer: Tokenizer | None = None, adapter_base: str = "",
+                 evaluator: Callable[[], dict[str, float]] | None = None) -> None:
         t = cfg.train
-        self.cfg, self.ctx, self.tokenizer = cfg, ctx, tokenizer
+        self.cfg, self.ctx, self.tokenizer, self.evaluator = cfg, ctx, tokenizer, evaluator
         self.out_dir = Path(t.out_dir)
         self.checkpoint_root = self.out_dir / "checkpoints"
         self.loader, self.val_loader = loader, val_loader
@@ -266,20 +273,24 @@ class Trainer:
         timed_tokens, timed_seconds, val_loss = 0, 0.0, None
         checkpoint = latest_checkpoint(self.checkpoint_root)  # stays it if resumed at the end
         started = time.perf_counter()
+        if self.evaluator is not None and self.step == 0:
+            logger.log({"step": 0, **{f"eval_{name}": v for name, v in self.evaluator().items()}, "elapsed": 0.0})
         self.model.train()
         try:
             while self.step < t.steps:
                 tick = time.perf_counter()
                 stats = self.train_step()
                 seconds = time.perf_counter() - tick
+                loader_stats = self.loader.pop_metrics() if hasattr(self.loader, "pop_metrics") else {}
+                step_tokens = int(loader_stats.pop("tokens", self.tokens_per_step))
                 self.step += 1
-                self.tokens_seen += self.tokens_per_step
+                self.tokens_seen += step_tokens
                 losses.append(stats["loss"])
                 if len(losses) > 1 or self.step == t.steps:  # the first step pays warm-up costs
-                    timed_tokens, timed_seconds = timed_tokens + self.tokens_per_step, timed_seconds + seconds
+                    timed_tokens, timed_seconds = timed_tokens + step_tokens, timed_seconds + seconds
                 if self.step % t.log_every == 0 or self.step == t.steps:
-                    speed = self.tokens_per_step / seconds
-                    logger.log({"step": self.step, **stats, "tokens_per_s": speed,
+                    speed = step_tokens / seconds
+                    logger.log({"step": self.step, **stats, **loader_stats, "step_s": seconds, "tokens_per_s": speed,
                                 "mfu": mfu(speed, self.flops_per_token, self.peak_flops, ctx.world_size),
                                 "tokens": self.tokens_seen, "elapsed": time.perf_counter() - started})
                 if (t.eval_every and self.step % t.eval_every == 0) or self.step == t.steps:
@@ -287,6 +298,9 @@ class Trainer:
                     if val is not None:
                         val_loss = val["loss"]
                         logger.log({"step": self.step, **{f"val_{name}": v for name, v in val.items()},
+                                    "elapsed": time.perf_counter() - started})
+                    if self.evaluator is not None:
+                        logger.log({"step": self.step, **{f"eval_{k}": v for k, v in self.evaluator().items()},
                                     "elapsed": time.perf_counter() - started})
                 if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or self.step == t.steps:
                     checkpoint = self.save()
