@@ -290,3 +290,16 @@ def test_plot_reads_a_metrics_file(tmp_path: Path) -> None:
                                                  "step_s": 2.0, "rollout_s": 1.0}]
     (tmp_path / "m.jsonl").write_text("\n".join(map(__import__("json").dumps, lines)) + "\n")
     assert plot_rl(tmp_path / "m.jsonl", tmp_path / "rl.png").stat().st_size > 10_000
+
+
+def test_rl_command_runs_a_task_from_the_command_line(tiny: Path, tmp_path: Path, capsys) -> None:
+    from tokenmind.cli import main
+
+    out = tmp_path / "run"
+    assert main(["rl", "--algo", "dr_grpo", "--task", "multistep", f"--rl.init_from={tiny}", "--rl.group_size=2",
+                 "--rl.max_new_tokens=4", "--data.train_size=8", "--data.eval_size=2", "--data.batch_size=1",
+                 "--data.task_config={min_steps: 1, max_steps: 1}", "--train.steps=2", f"--train.out_dir={out}"]) == 0
+    assert "RL report" in capsys.readouterr().out and (out / "rl.png").exists()
+    stats = __import__("json").loads((out / "rl_data.json").read_text())
+    assert stats["algo"] == "dr_grpo" and stats["held_out_items"] == 2 and stats["train_items"] <= 8
+    assert main(["rl", "--rl.algo=nope", f"--train.out_dir={tmp_path / 'bad'}"]) == 2  # a clear error, no traceback

@@ -72,6 +72,11 @@ def overlong_penalty(length: int, max_new_tokens: int, cache: int) -> float:
 REWARDS = {"answer-line": answer_line_format, "think-answer": think_answer_format, "tests": code_tests_reward}
 
 
+def item_fields(item: dict[str, Any]) -> dict[str, Any]:
+    """A task item's fields other than its prompt: the `meta` its rewards are called with."""
+    return {k: v for k, v in item.items() if k != "prompt"}
+
+
 def load_scorer(spec: str) -> Any:
     """`verifier:NAME` (a reward function of `tasks.py`: numeric, choice, multistep, reasoning-gym),
     `format:answer-line`, `format:think-answer`, `code:tests` (this module's rewards) or `rm:PATH`

@@ -31,7 +31,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenmind.model.attention import DenseAttentionMetadata
@@ -171,10 +170,12 @@ def policy_outputs(model: nn.Module, batch: SequenceBatch, precision: str, tempe
         hidden = model.hidden_states(batch.input_ids, batch.positions, attn).flatten(0, 1)[scored]
         logits = model.logits(hidden)
         values = model.value_head(hidden).squeeze(-1).float() if with_values else None
-    logp_all = F.log_softmax(logits.float() / temperature, dim=-1)
-    logps = logp_all.gather(-1, batch.targets.flatten()[scored][:, None]).squeeze(1)
-    with torch.no_grad():
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    logits = logits.float() / temperature
+    normalizer = torch.logsumexp(logits, dim=-1)  # no (N, vocab) log-softmax kept for backward
+    logps = logits.gather(-1, batch.targets.flatten()[scored][:, None]).squeeze(1) - normalizer
+    with torch.no_grad():  # H = log Z − Σ p·z, a slice of rows at a time
+        entropy = torch.cat([lse - (torch.exp(z - lse[:, None]) * z).sum(-1)
+                             for z, lse in zip(logits.split(1024), normalizer.split(1024))])
     return logps, entropy, values
 
 

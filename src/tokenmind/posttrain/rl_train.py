@@ -126,7 +126,10 @@ class RLSection:
 class TaskSection:
     """The task: `task` (`gym:NAME` or `multistep`) with `task_config` (generator options), how
     many items to train on (`train_size`) and hold out (`eval_size`, made from `eval_seed`),
-    `instruction`: text added to every user prompt (e.g. how to write the answer). batch_size:
+    `instruction`: text added to every user prompt (e.g. how to write the answer). verifier: what
+    calls a completion right, for the accuracy and the `task` reward (`tasks.VERIFIERS` or
+    reasoning-gym; empty: the task's own: reasoning-gym's scorer for gym tasks, which wants the bare
+    answer, or multistep's step checker). batch_size:
     prompts per micro-batch (× train.grad_accum per optimizer step). seq_len: only counts FLOPs
     for the MFU column (prompt + completion tokens of a typical sequence)."""
 
@@ -137,6 +140,7 @@ class TaskSection:
     seed: int = 0
     eval_seed: int = 1_000_003
     instruction: str = ""
+    verifier: str = ""
     batch_size: int = 4
     seq_len: int = 256
 
@@ -227,6 +231,7 @@ def split_tasks(data: TaskSection) -> tuple[list[dict], list[dict], Reward, int]
     """(train items, held-out items, the verifier, train items dropped because a held-out item has
     the same prompt)."""
     train, verifier = task_items(data.task, data.train_size, data.seed, data.task_config)
+    verifier = get_verifier(data.verifier) if data.verifier else verifier
     held_out, _ = task_items(data.task, data.eval_size, data.eval_seed, data.task_config) if data.eval_size else ([],
                                                                                                                 None)
     seen = {json.dumps(it["prompt"], sort_keys=True) for it in held_out}

@@ -40,7 +40,7 @@ from tokenmind.model.paged_attention import PagedKVCache
 
 from .data import pack as pack_rows
 from .preference_data import Scored, SequenceBatch, Unit, unit_batch
-from .rewards import RewardMix, overlong_penalty
+from .rewards import RewardMix, item_fields, overlong_penalty
 from .rl import RolloutBatch, gae, policy_outputs, scored_positions, sequence_advantages
 from .tasks import Reward
 
@@ -153,7 +153,7 @@ class RolloutLoader:
         params = SamplingParams(max_tokens=max_new_tokens or self.s.max_new_tokens, temperature=0.0,
                                 stop_token_ids=[self.end_id], ignore_eos=True)
         outputs = self.generate(prompts, [params] * len(prompts))
-        scores = [self.verifier(it["prompt"], out.text.strip(), **_meta(it)) for it, out in zip(items, outputs)]
+        scores = [self.verifier(it["prompt"], out.text.strip(), **item_fields(it)) for it, out in zip(items, outputs)]
         return {"accuracy": float(np.mean([s >= 1.0 for s in scores])), "score": float(np.mean(scores)),
                 "length": float(np.mean([len(out.token_ids) for out in outputs]))}
 
@@ -194,7 +194,7 @@ class RolloutLoader:
         """Set each group's rewards and correctness; returns every named reward's scores."""
         prompts = [g.item["prompt"] for g in groups for _ in g.texts]
         texts = [t for g in groups for t in g.texts]
-        metas = [_meta(g.item) for g in groups for _ in g.texts]
+        metas = [item_fields(g.item) for g in groups for _ in g.texts]
         totals, parts = self.rewards(prompts, texts, metas)
         correct = [float(self.verifier(p, t, **m) >= 1.0) for p, t, m in zip(prompts, texts, metas)]
         at = 0
@@ -215,8 +215,11 @@ class RolloutLoader:
         kept: list[Group] = []
         generated: list[Group] = []
         parts: dict[str, list[float]] = {}
+        generate_s = 0.0
         for round_ in range(self.s.max_sampling_rounds if self.s.dynamic_sampling else 1):
+            tick = time.perf_counter()
             groups = self.sample_groups(self.next_items(need - len(kept)), round_)
+            generate_s += time.perf_counter() - tick
             for name, values in self.score(groups).items():
                 parts.setdefault(name, []).extend(values)
             generated += groups
@@ -239,7 +242,7 @@ class RolloutLoader:
             "completion_length": tokens / sum(len(g.completions) for g in generated),
             "truncated": float(np.mean([t for g in generated for t in g.truncated])),
             "groups_kept": len([g for g in kept if np.ptp(g.rewards) > 0]) / need,
-            "rollout_tokens_per_s": tokens / sample_s, "rollout_s": sample_s,
+            "rollout_tokens_per_s": tokens / generate_s, "rollout_s": sample_s,
             "prepare_s": time.perf_counter() - started - sample_s,
             "rollout_tokens": float(sum(len(c) for g in kept for c in g.completions)),
         }
@@ -343,10 +346,6 @@ class RolloutLoader:
                              f"{len(self.items)}; resume with the same data section")
         self.epoch, self.cursor, self.rollouts = state["epoch"], state["cursor"], state["rollouts"]
         self.pending = [_batch_from_state(b) for b in state["pending"]]
-
-
-def _meta(item: Item) -> dict[str, Any]:
-    return {k: v for k, v in item.items() if k != "prompt"}
 
 
 def _batch_state(batch: RolloutBatch) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from ..engine.sampling import SamplingParams
 from ..model.load import Pretrained
 from ..jsonl import atomic_open, write_jsonl
 from .pairs import EvalFilter, as_messages, preference_pair, unpaired
-from .rewards import load_scorer, score
+from .rewards import item_fields, load_scorer, score
 from .sft import load_sft_config, sft
 
 Item = dict[str, Any]  # {"prompt": chat or text, "id"?, **meta}; meta goes to reward functions
@@ -61,10 +61,6 @@ class Ranked:
     def worst(self) -> int:
         """Index of the lowest score (the earliest of equals)."""
         return min(range(len(self.scores)), key=lambda i: (self.scores[i], i))
-
-
-def _meta(item: Item) -> dict[str, Any]:
-    return {k: v for k, v in item.items() if k != "prompt"}
 
 
 def best_of_n(llm: LLM, items: Sequence[Item], scorer: Any, n: int, params: SamplingParams | None = None,
@@ -96,7 +92,7 @@ def best_of_n(llm: LLM, items: Sequence[Item], scorer: Any, n: int, params: Samp
         for c in out.outputs:
             prompts.append(item["prompt"])
             texts.append(c.text.strip())
-            metas.append(_meta(item))
+            metas.append(item_fields(item))
     scores = score(scorer, prompts, texts, metas)
     return [Ranked(item, texts[i * n:(i + 1) * n], scores[i * n:(i + 1) * n],
                    [c.finish_reason for c in out.outputs]) for i, (item, out) in enumerate(zip(items, outputs))]
