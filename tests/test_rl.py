@@ -303,3 +303,10 @@ def test_rl_command_runs_a_task_from_the_command_line(tiny: Path, tmp_path: Path
     stats = __import__("json").loads((out / "rl_data.json").read_text())
     assert stats["algo"] == "dr_grpo" and stats["held_out_items"] == 2 and stats["train_items"] <= 8
     assert main(["rl", "--rl.algo=nope", f"--train.out_dir={tmp_path / 'bad'}"]) == 2  # a clear error, no traceback
+
+
+def test_bf16_with_a_kl_penalty_warns(tiny: Path, tmp_path: Path) -> None:
+    cfg = tiny_config(tiny, tmp_path, "--train.precision=bf16", "--rl.kl_coef=0.04")
+    with pytest.warns(UserWarning, match="rounding noise"):
+        build_rl_trainer(cfg, init_distributed("none", "cpu"), toy_task())
+
