@@ -9,6 +9,7 @@ reward that only a changed policy can earn, and check resume, LoRA and PPO's val
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -306,7 +307,14 @@ def test_rl_command_runs_a_task_from_the_command_line(tiny: Path, tmp_path: Path
 
 
 def test_bf16_with_a_kl_penalty_warns(tiny: Path, tmp_path: Path) -> None:
-    cfg = tiny_config(tiny, tmp_path, "--train.precision=bf16", "--rl.kl_coef=0.04")
-    with pytest.warns(UserWarning, match="rounding noise"):
+    cfg = tiny_config(tiny, tmp_path / "bf16", "--train.precision=bf16", "--rl.kl_coef=0.04")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         build_rl_trainer(cfg, init_distributed("none", "cpu"), toy_task())
+    assert any("rounding noise" in str(w.message) for w in caught)
+    cfg = tiny_config(tiny, tmp_path / "fp32", "--train.precision=fp32", "--rl.kl_coef=0.04")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build_rl_trainer(cfg, init_distributed("none", "cpu"), toy_task())
+    assert not any("rounding noise" in str(w.message) for w in caught)  # fp32: nothing to warn about
 

@@ -38,6 +38,7 @@ from tokenmind.train.trainer import Trainer, TrainResult
 from .rewards import RewardMix
 from .rl import ADVANTAGES, AGGREGATIONS, ALGORITHMS, KL_PLACES, RLObjective
 from .rollout import RolloutLoader, RolloutSettings
+from .data import prepare_chat_data
 from .sft import LoRASection, SFTOptimSection, SFTSection, adapter_base, add_stop_ids, load_start
 from .tasks import Reward, get_verifier, multistep_items, reasoning_gym_items
 
@@ -237,8 +238,7 @@ def split_tasks(data: TaskSection) -> tuple[list[dict], list[dict], Reward, int]
     the same prompt)."""
     train, verifier = task_items(data.task, data.train_size, data.seed, data.task_config)
     verifier = get_verifier(data.verifier) if data.verifier else verifier
-    held_out, _ = task_items(data.task, data.eval_size, data.eval_seed, data.task_config) if data.eval_size else ([],
-                                                                                                                None)
+    held_out = task_items(data.task, data.eval_size, data.eval_seed, data.task_config)[0] if data.eval_size else []
     seen = {json.dumps(it["prompt"], sort_keys=True) for it in held_out}
     kept = [it for it in train if json.dumps(it["prompt"], sort_keys=True) not in seen]
     if not kept:
@@ -317,15 +317,14 @@ def build_rl_trainer(cfg: RLConfig, ctx: DistContext, task: Task | None = None) 
 
 
 def _turn_end(tokenizer: Any) -> int:
-    """The special token that ends an assistant turn in the tokenizer's chat template."""
-    ids, mask = tokenizer.render_chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}])
-    ends = [ids[i] for i in range(len(ids)) if mask[i] and (i + 1 == len(ids) or not mask[i + 1])]
-    special = {i for i, token in tokenizer.backend.get_added_tokens_decoder().items() if token.special}
-    candidates = [t for t in ends if t in special]
-    if not candidates:
-        raise ValueError("the chat template ends assistant turns with no special token; RL needs a chat model "
-                         "whose template closes each turn with one (e.g. <|im_end|>)")
-    return candidates[-1]
+    """The special token that ends an assistant turn in the tokenizer's chat template (found as SFT
+    finds it, on a one-turn chat)."""
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+    ends = prepare_chat_data(tokenizer, [chat], seq_len=64).turn_end_ids
+    if len(ends) != 1:
+        raise ValueError(f"the chat template ends assistant turns with {sorted(ends) or 'no'} special token(s); RL "
+                         "needs a chat model whose template closes each turn with exactly one (e.g. <|im_end|>)")
+    return next(iter(ends))
 
 
 def rl_train(cfg: RLConfig, task: Task | None = None) -> TrainResult:

@@ -293,9 +293,10 @@ class RolloutLoader:
         else:
             if token_kl is not None:  # the whole completion's KL comes off its reward
                 seq_kl = torch.zeros(len(order)).index_add(0, owner, token_kl)
-                index = {key: i for i, key in enumerate(order)}
-                rewards = rewards - s.kl_coef * torch.tensor(
-                    [[seq_kl[index[(u, j)]] for j in range(len(groups[u].completions))] for u in range(len(groups))])
+                kl = torch.zeros_like(rewards)
+                for seq, (u, j) in enumerate(order):
+                    kl[u, j] = seq_kl[seq]
+                rewards = rewards - s.kl_coef * kl
             adv = sequence_advantages(rewards, s.advantage)
             advantages = torch.tensor([float(adv[u, j]) for u, j in order])[owner]
         if need_policy and s.temperature == 1.0:  # the sampler's log-probs are at temperature 1
