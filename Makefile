@@ -4,7 +4,7 @@ PYTHON ?= python3
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup speedrun demo test test-fast bench peers clean
+.PHONY: setup speedrun demo test test-fast bench peers rl clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,15 @@ test: setup
 
 test-fast: setup
 	$(BIN)/pytest -q -m "not slow"
+
+# Online RL on SmolLM2 (chain sums, held-out accuracy): GRPO, PPO and Dr.GRPO on one config, then their
+# curves side by side in runs/rl_compare.png (~25 minutes each on 2 cores).
+rl: setup
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[rl]'
+	for algo in grpo ppo dr_grpo; do \
+	  $(BIN)/tokenmind rl --config src/tokenmind/configs/rl_smollm2.yaml --algo $$algo --train.out_dir=runs/rl_$$algo || exit 1; \
+	done
+	$(BIN)/tokenmind rl --compare runs/rl_grpo runs/rl_ppo runs/rl_dr_grpo --compare-png runs/rl_compare.png
 
 # llama.cpp (the speed peer) in its own venv, benchmarks/.venv-peers: ~10 minutes to compile once.
 peers:

@@ -8,6 +8,7 @@ reward that only a changed policy can earn, and check resume, LoRA and PPO's val
 
 from __future__ import annotations
 
+import json
 import math
 import warnings
 from pathlib import Path
@@ -276,6 +277,14 @@ def test_dapo_dynamic_sampling_keeps_only_informative_groups(tiny: Path, tmp_pat
     assert records(tmp_path)[0]["groups_kept"] == 0.0
 
 
+def test_shipped_config_loads_and_any_algorithm_can_replace_its_own() -> None:
+    path = Path(__file__).parents[1] / "src" / "tokenmind" / "configs" / "rl_smollm2.yaml"
+    cfg = load_rl_config(path)
+    assert (cfg.rl.algo, cfg.data.task, cfg.train.precision) == ("grpo", "gym:chain_sum", "fp32")
+    ppo = load_rl_config(path, ["rl.algo=ppo"])  # the fields the algorithm decides follow it
+    assert (ppo.rl.advantage, ppo.rl.kl_place, ppo.data.task) == ("gae", "reward", "gym:chain_sum")
+
+
 def test_bad_options_name_the_fix(tmp_path: Path) -> None:
     for options, match in [(["--rl.algo=trpo"], "choose one of reinforce"),
                            (["--rl.advantage=gae"], "only algo=ppo"),
@@ -286,22 +295,55 @@ def test_bad_options_name_the_fix(tmp_path: Path) -> None:
             split_tasks(load_rl_config(None, options).data)
 
 
+def _fake_run(run_dir: Path, algo: str, held_out: list[float]) -> Path:
+    """A run directory as `tokenmind rl` leaves it: metrics JSONL (evals every 2 steps) and rl_data.json."""
+    run_dir.mkdir(parents=True)
+    lines = []
+    for step in range(1, 2 * len(held_out) - 1):
+        lines.append({"step": step, "loss": 0.0, "reward": 0.1 * step, "accuracy": 0.1 * step, "kl": 0.01 * step,
+                      "step_s": 2.0, "rollout_s": 0.5, "elapsed": 2.0 * step})
+    for k, accuracy in enumerate(held_out):
+        lines.append({"step": 2 * k, "eval_accuracy": accuracy, "elapsed": 4.0 * k})
+    (run_dir / "metrics.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n")
+    (run_dir / "rl_data.json").write_text(json.dumps({"algo": algo}))
+    return run_dir
+
+
 def test_plot_reads_a_metrics_file(tmp_path: Path) -> None:
-    lines = [{"step": 0, "eval_accuracy": 0.1}, {"step": 1, "loss": 0.0, "reward": 0.2, "accuracy": 0.2,
-                                                 "step_s": 2.0, "rollout_s": 1.0}]
-    (tmp_path / "m.jsonl").write_text("\n".join(map(__import__("json").dumps, lines)) + "\n")
-    assert plot_rl(tmp_path / "m.jsonl", tmp_path / "rl.png").stat().st_size > 10_000
+    run = _fake_run(tmp_path / "run", "grpo", [0.1, 0.3])
+    assert plot_rl(run / "metrics.jsonl", tmp_path / "rl.png").stat().st_size > 10_000
+
+
+def test_compare_summarises_runs_side_by_side(tmp_path: Path, capsys) -> None:
+    from tokenmind.cli import main
+
+    runs = [_fake_run(tmp_path / "a", "grpo", [0.2, 0.3, 0.5]), _fake_run(tmp_path / "b", "ppo", [0.2, 0.6, 0.4])]
+    assert main(["rl", "--compare", *map(str, runs), "--compare-png", str(tmp_path / "cmp.png")]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].startswith("| run | algo | steps | minutes | held_out_start | held_out_end | held_out_best |")
+    grpo, ppo = (row.split(" | ") for row in table[2:4])
+    # run, algo, steps, minutes (8 s), held out at the start, end and best, s per step, rollout share
+    assert grpo[1:9] == ["grpo", "4", "0.1", "0.2", "0.5", "0.5", "2.0", "0.25"]
+    assert ppo[1:7] == ["ppo", "4", "0.1", "0.2", "0.4", "0.6"]
+    assert (tmp_path / "cmp.png").stat().st_size > 10_000
+    assert main(["rl", "--compare", str(runs[0]), "--algo", "ppo"]) == 2
+    assert "drop the training options" in capsys.readouterr().err
+    assert main(["rl", "--compare", str(tmp_path)]) == 2  # not a run directory: a clear error
+    assert "metrics.jsonl" in capsys.readouterr().err
 
 
 def test_rl_command_runs_a_task_from_the_command_line(tiny: Path, tmp_path: Path, capsys) -> None:
     from tokenmind.cli import main
 
     out = tmp_path / "run"
-    assert main(["rl", "--algo", "dr_grpo", "--task", "multistep", f"--rl.init_from={tiny}", "--rl.group_size=2",
-                 "--rl.max_new_tokens=4", "--data.train_size=8", "--data.eval_size=2", "--data.batch_size=1",
+    config = tmp_path / "rl.yaml"  # --algo and --task win over the file's choices
+    config.write_text("rl: {algo: ppo}\ndata: {task: 'gym:chain_sum'}\n")
+    assert main(["rl", "--config", str(config), "--algo", "dr_grpo", "--task", "multistep", f"--rl.init_from={tiny}",
+                 "--rl.group_size=2", "--rl.max_new_tokens=4", "--data.train_size=8", "--data.eval_size=2",
+                 "--data.batch_size=1",
                  "--data.task_config={min_steps: 1, max_steps: 1}", "--train.steps=2", f"--train.out_dir={out}"]) == 0
     assert "RL report" in capsys.readouterr().out and (out / "rl.png").exists()
-    stats = __import__("json").loads((out / "rl_data.json").read_text())
+    stats = json.loads((out / "rl_data.json").read_text())
     assert stats["algo"] == "dr_grpo" and stats["held_out_items"] == 2 and stats["train_items"] <= 8
     assert main(["rl", "--rl.algo=nope", f"--train.out_dir={tmp_path / 'bad'}"]) == 2  # a clear error, no traceback
 

@@ -221,12 +221,21 @@ def cmd_posttrain_raft(args, overrides: list[str]) -> None:
 
 
 def cmd_rl(args, overrides: list[str]) -> None:
-    from .posttrain.rl_train import load_rl_config, rl_train
+    from .posttrain.rl_train import compare_runs, load_rl_config, rl_train
 
-    defaults = {"rl.algo": args.algo} if args.algo else {}
-    if args.task:
-        defaults["data.task"] = args.task
-    cfg = load_rl_config(args.config, overrides, defaults)
+    if args.compare:
+        if overrides or args.config or args.algo or args.task:
+            raise ValueError("--compare only reads finished runs; drop the training options (--config, --algo, "
+                             "--task, --section.key=value)")
+        summaries = compare_runs(args.compare, args.compare_png)
+        keys = list(summaries[0])
+        print("| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
+        for summary in summaries:
+            print("| " + " | ".join(str(summary[k]) for k in keys) + " |")
+        print(f"curves side by side: {args.compare_png}")
+        return
+    flags = [f"rl.algo={args.algo}"] * bool(args.algo) + [f"data.task={args.task}"] * bool(args.task)
+    cfg = load_rl_config(args.config, flags + list(overrides))  # --algo/--task win over the config file
     result = rl_train(cfg)
     _print_trained(result)
     print(f"RL report: {Path(cfg.train.out_dir) / 'rl.png'}")
@@ -522,16 +531,20 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--config", default=None, help="YAML config (sections as above)")
         p.set_defaults(func=func, takes_overrides=True)
     p = sub.add_parser("rl", help="online RL, verifiable rewards: REINFORCE, RLOO, PPO, GRPO, Dr.GRPO, DAPO",
-                       description="Online RL on tokenmind's own engine: each step samples groups of completions from "
-                                   "the live policy, scores them with rewards (the task's verifier, format, code tests, "
-                                   "a reward model) and takes a policy-gradient step. Held-out accuracy every "
+                       description="Online RL on tokenmind's own engine: each step samples groups of completions "
+                                   "from the live policy, scores them with rewards (the task's verifier, format, code "
+                                   "tests, a reward model) and takes a policy-gradient step. Held-out accuracy every "
                                    "--train.eval_every steps; curves in OUT/rl.png. E.g. tokenmind rl --algo grpo "
-                                   "--task gym:basic_arithmetic --train.steps=60. Sections: rl, data, lora, optim, "
-                                   "schedule, train; see docs/posttraining.md.")
+                                   "--task gym:chain_sum --train.steps=60; tokenmind rl --compare RUN_DIR... draws "
+                                   "finished runs side by side. Sections: rl, data, lora, optim, schedule, train; see "
+                                   "docs/posttraining.md.")
     p.add_argument("--config", default=None, help="YAML RL config (e.g. src/tokenmind/configs/rl_smollm2.yaml)")
     p.add_argument("--algo", default=None, choices=["reinforce", "rloo", "ppo", "grpo", "dr_grpo", "dapo"],
-                   help="the algorithm (default: the config's, else grpo)")
+                   help="the algorithm (over the config's; default: the config's, else grpo)")
     p.add_argument("--task", default=None, help="gym:NAME (a reasoning-gym generator) or multistep")
+    p.add_argument("--compare", nargs="+", metavar="RUN_DIR", default=None,
+                   help="train nothing: overlay these runs' curves in --compare-png and print their headline numbers")
+    p.add_argument("--compare-png", default="runs/rl_compare.png", help="where --compare draws (default: %(default)s)")
     p.set_defaults(func=cmd_rl, takes_overrides=True)
 
     p = post.add_parser("raft", help="rejection-sampling fine-tuning: sample N, keep the best, SFT, repeat",

@@ -342,32 +342,73 @@ PANELS = (("reward", "mean reward (rollouts)"), ("accuracy", "accuracy"), ("kl",
           ("clip_fraction", "clip fraction"), ("time", "seconds per step"), ("rollout_tokens_per_s", "rollout tok/s"))
 
 
-def plot_rl(metrics_path: str | Path, png_path: str | Path) -> Path:
-    """The RL curves of a run's metrics JSONL as one PNG: reward, accuracy (training rollouts and the
-    held-out evaluation), KL, entropy, length, clip fraction, the rollout/learning time split and
-    rollout speed."""
-    records = read_jsonl(metrics_path, missing_ok=True)
-    steps = [r for r in records if "loss" in r]
-    evals = [r for r in records if "eval_accuracy" in r]
+def plot_rl(runs: str | Path | dict[str, str | Path], png_path: str | Path) -> Path:
+    """The RL curves as one PNG: reward, accuracy, KL, entropy, length, clip fraction, time per step
+    and rollout speed. `runs` is one run's metrics JSONL (accuracy of the training rollouts and the
+    held-out evaluation; the rollout/learning time split), or {label: metrics JSONL} to overlay runs
+    side by side (held-out accuracy, total seconds per step)."""
+    single = not isinstance(runs, dict)
+    records = {"": read_jsonl(runs, missing_ok=True)} if single else {
+        label: read_jsonl(path, missing_ok=True) for label, path in runs.items()}
     figure = Figure(figsize=(14, 7), layout="tight")
     for k, (key, title) in enumerate(PANELS):
         axes = figure.add_subplot(2, 4, k + 1)
         axes.set_title(title, fontsize=10)
         axes.set_xlabel("step")
         axes.grid(alpha=0.3)
-        if key == "time":
-            axes.plot([r["step"] for r in steps], [r.get("rollout_s", 0.0) for r in steps], label="rollout")
-            axes.plot([r["step"] for r in steps], [r["step_s"] - r.get("rollout_s", 0.0) - r.get("prepare_s", 0.0)
-                                                   for r in steps], label="learning")
-            axes.legend(fontsize=8)
-            continue
-        points = [(r["step"], r[key]) for r in steps if key in r]
-        if points:
-            axes.plot(*zip(*points), linewidth=1, label="train rollouts")
-        if key == "accuracy" and evals:
-            axes.plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], "o-", label="held out (greedy)")
+        for label, run in records.items():
+            steps = [r for r in run if "loss" in r]
+            evals = [(r["step"], r["eval_accuracy"]) for r in run if "eval_accuracy" in r]
+            if single and key == "time":
+                axes.plot([r["step"] for r in steps], [r.get("rollout_s", 0.0) for r in steps], label="rollout")
+                axes.plot([r["step"] for r in steps], [r["step_s"] - r.get("rollout_s", 0.0) - r.get("prepare_s", 0.0)
+                                                       for r in steps], label="learning")
+            elif not single and key == "accuracy":
+                if evals:
+                    axes.plot(*zip(*evals), "o-", linewidth=1, markersize=3, label=label)
+            else:
+                name = "step_s" if key == "time" else key
+                points = [(r["step"], r[name]) for r in steps if name in r]
+                if points:
+                    axes.plot(*zip(*points), linewidth=1, label=label or "train rollouts")
+                if single and key == "accuracy" and evals:
+                    axes.plot(*zip(*evals), "o-", label="held out (greedy)")
+        if key == "accuracy" and not single:
+            axes.set_title("held-out accuracy (greedy)", fontsize=10)
+        if axes.lines and (not single or key in ("accuracy", "time")):
             axes.legend(fontsize=8)
     png_path = Path(png_path)
     png_path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(png_path, dpi=110)
     return png_path
+
+
+def rl_summary(run_dir: str | Path) -> dict[str, Any]:
+    """One finished (or running) run's headline numbers from its metrics JSONL: held-out accuracy at
+    the start, the end and its best, training minutes (loading the model not counted), seconds per
+    step and the share spent in rollouts, and the last five steps' mean reward and KL."""
+    run_dir = Path(run_dir)
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    steps = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval_accuracy" in r]
+    if not steps or not evals:
+        raise ValueError(f"{run_dir}: no RL steps or held-out evaluations in metrics.jsonl; is it a tokenmind rl run?")
+    info = json.loads((run_dir / "rl_data.json").read_text()) if (run_dir / "rl_data.json").exists() else {}
+    tail = steps[-5:]
+    return {"run": run_dir.name, "algo": info.get("algo", "?"), "steps": steps[-1]["step"],
+            "minutes": round(max(r.get("elapsed", 0.0) for r in records) / 60, 1),
+            "held_out_start": evals[0]["eval_accuracy"], "held_out_end": evals[-1]["eval_accuracy"],
+            "held_out_best": max(r["eval_accuracy"] for r in evals),
+            "step_s": round(sum(r["step_s"] for r in steps) / len(steps), 1),
+            "rollout_share": round(sum(r.get("rollout_s", 0.0) for r in steps) / sum(r["step_s"] for r in steps), 2),
+            "reward_last5": round(sum(r["reward"] for r in tail) / len(tail), 3),
+            "kl_last5": round(sum(r.get("kl", 0.0) for r in tail) / len(tail), 4)}
+
+
+def compare_runs(run_dirs: list[str | Path], png_path: str | Path) -> list[dict[str, Any]]:
+    """Side by side: the runs' curves overlaid in `png_path`, and each run's `rl_summary`."""
+    summaries = [rl_summary(d) for d in run_dirs]
+    algos = [s["algo"] for s in summaries]
+    labels = [algo if algos.count(algo) == 1 else str(d) for algo, d in zip(algos, run_dirs)]
+    plot_rl({label: Path(d) / "metrics.jsonl" for label, d in zip(labels, run_dirs)}, png_path)
+    return summaries
