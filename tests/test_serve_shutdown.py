@@ -90,9 +90,10 @@ def test_sigint_and_sigterm_start_the_same_graceful_shutdown():
     """The in-process half of the signal path (signals reach only a main thread, so no live server here)."""
     calls = []
     server = GracefulServer(uvicorn.Config(app=None), on_exit=lambda: calls.append(1))
+    before = signal.getsignal(signal.SIGINT)  # default_int_handler, or SIG_IGN when run as a background job
     with server.capture_signals():
         assert signal.getsignal(signal.SIGINT) == signal.getsignal(signal.SIGTERM) == server.handle_exit
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored, and not re-raised
+    assert signal.getsignal(signal.SIGINT) is before  # restored, and not re-raised
     server.handle_exit(signal.SIGINT, None)
     assert server.should_exit and not server.force_exit and calls == [1]
     server.handle_exit(signal.SIGINT, None)  # a second Ctrl-C forces the exit
