@@ -103,6 +103,18 @@ def emit(result: dict, out: str | None) -> None:
         tmp.replace(path)
 
 
+def side_or_run(args, side, run) -> dict | None:
+    """The two roles of a peer benchmark's script: a child measuring one side in its own process
+    (`--side NAME` set: print `side(args)` as one JSON line for the parent), or the parent running
+    the comparison (`run(args)`, emitted with `emit`)."""
+    if args.side:
+        print(json.dumps(side(args)))
+        return None
+    result = run(args)
+    emit(result, args.out)
+    return result
+
+
 def peer_python() -> Path | None:
     """The peer venv's interpreter, or None until `benchmarks/setup_peers.sh` has finished."""
     return PEER_PYTHON if (PEER_VENV / ".ready").exists() else None

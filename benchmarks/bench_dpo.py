@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import emit, machine_info
+from _common import machine_info, side_or_run
 
 TARGET_SPEEDUP = 2.0  # the goal: >= 2x TRL's DPOTrainer
 
@@ -157,14 +157,10 @@ def main(argv: list[str] | None = None) -> dict | None:
     for hidden in ("--side", "--data", "--hf-dir", "--trl-batch", "--precompute"):  # a child process's
         p.add_argument(hidden, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.side:
+    if args.side:  # a child's options arrive as strings
         args.data, args.trl_batch = Path(args.data), int(args.trl_batch or 0)
         args.precompute = args.precompute == "True"
-        print(json.dumps(_tokenmind(args) if args.side == "tokenmind" else _trl(args)))
-        return None
-    result = run(args)
-    emit(result, args.out)
-    return result
+    return side_or_run(args, lambda a: _tokenmind(a) if a.side == "tokenmind" else _trl(a), run)
 
 
 if __name__ == "__main__":

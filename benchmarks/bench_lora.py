@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from _common import emit, machine_info
+from _common import machine_info, side_or_run
 
 TARGET_SPEEDUP = 1.5  # the goal: >= 1.5x the tokens/s at <= the memory
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -139,12 +139,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     p.add_argument("--side", choices=["tokenmind", "peft"], help=argparse.SUPPRESS)  # a child process
     p.add_argument("--out")
     args = p.parse_args(argv)
-    if args.side:
-        print(json.dumps(_side(args)))
-        return None
-    result = run(args)
-    emit(result, args.out)
-    return result
+    return side_or_run(args, _side, run)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit, machine_info
+from _common import machine_info, side_or_run
 
 LR = 1e-6
 BETAS = (0.9, 0.95)
@@ -291,12 +291,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     for hidden in ("--side", "--hf-dir"):  # a child process's
         p.add_argument(hidden, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.side:
-        print(json.dumps(_tokenmind(args) if args.side == "tokenmind" else _trl(args)))
-        return None
-    result = run(args)
-    emit(result, args.out)
-    return result
+    return side_or_run(args, lambda a: _tokenmind(a) if a.side == "tokenmind" else _trl(a), run)
 
 
 if __name__ == "__main__":
