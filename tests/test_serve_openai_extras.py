@@ -180,6 +180,15 @@ def test_tool_errors_are_400s_naming_the_field(server):
         assert response.json()["error"]["param"] == param
 
 
+def test_echo_of_token_ids_outside_the_vocabulary_is_a_400(server):
+    # found by the schema fuzzer: echo decoded the ids before they were checked, and a huge one overflowed
+    for ids in ([453, 202299277562856, 1576], [453, -63]):
+        response = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": ids, "echo": True,
+                                                                     "max_tokens": 1})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == "prompt" and "token ids must be in" in response.text
+
+
 # ----------------------------------------------------------------- embeddings, tokenize
 
 def test_embeddings_through_the_client_in_both_encodings(pretrained, client):

@@ -230,7 +230,7 @@ class Service:
             fmt: ResponseFormat = ChatFormat(body.model, self.tokenizer, body.include_usage, tools)
         else:
             prompts, param = [self.completion_prompt(p) for p in body.prompts()], "prompt"
-            fmt, echo = CompletionFormat(body.model, self.tokenizer, body.include_usage), self.echo_texts(body, prompts)
+            fmt = CompletionFormat(body.model, self.tokenizer, body.include_usage)
         structured, structured_param = self.structured_output(body)
         try:
             params = body.sampling_params(self.max_tokens(body, prompts, param), structured)
@@ -246,6 +246,8 @@ class Service:
                 self.ready().check_request(ids, params)
             except ValueError as e:
                 raise APIError(400, str(e), param=param) from e
+        if isinstance(body, CompletionRequest):  # decoded only once the ids are known to be in the vocabulary
+            echo = self.echo_texts(body, prompts)
         return Prepared(body, prompts, params, fmt, adapter, echo)
 
     # ----------------------------------------------------------------- request → response
