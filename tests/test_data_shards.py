@@ -135,6 +135,19 @@ def test_val_fraction_is_a_deterministic_partition(tmp_path: Path) -> None:
     ).read_bytes()
 
 
+def test_a_small_corpus_still_gets_a_val_document(tmp_path: Path) -> None:
+    """With 5 documents and a 1e-6 fraction the hash picks none; the last one becomes val."""
+    docs = random_docs(5, 300, seed=3)
+    manifest = write(tmp_path / "five", docs, val_fraction=1e-6)
+    train, val = TokenShards(tmp_path / "five", "train"), TokenShards(tmp_path / "five", "val")
+    assert manifest["splits"]["val"]["documents"] == 1
+    np.testing.assert_array_equal(val.document(0), docs[-1])
+    for i, doc in enumerate(docs[:-1]):  # the rest, in order
+        np.testing.assert_array_equal(train.document(i), doc)
+    lone = write(tmp_path / "one", docs[:1], val_fraction=1e-6)  # nothing to spare: it trains
+    assert set(lone["splits"]) == {"train"}
+
+
 def test_invalid_inputs_are_rejected(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not both"):
         ShardConfig(val_tokens=10, val_fraction=0.1)

@@ -45,7 +45,8 @@ class ShardConfig:
     it; a single larger document gets a shard of its own).
     val_tokens: hold out the last documents of the stream, at least this many tokens, as `val`.
     val_fraction: instead, hold out this fraction of documents, chosen by a hash of their
-        tokens (deterministic, spread over the whole corpus, stable under reordering)."""
+        tokens (deterministic, spread over the whole corpus, stable under reordering). A small
+        corpus where the hash picks none still gets one: its last training document."""
 
     tokens_per_shard: int = 100_000_000
     val_tokens: int = 0
@@ -121,6 +122,11 @@ class _SplitWriter:
         )
         self._offsets = []
 
+    @property
+    def documents(self) -> int:
+        """Documents added so far, committed or in the open shard."""
+        return sum(shard["documents"] for shard in self.shards) + max(len(self._offsets) - 1, 0)
+
     def finish(self) -> dict[str, Any]:
         if self._handle is not None:
             self._finish_shard()
@@ -176,6 +182,7 @@ class ShardWriter:
         }
         self._held_back: deque[np.ndarray] = deque()  # the stream's tail, for val_tokens
         self._held_back_tokens = 0
+        self._last_train: np.ndarray | None = None  # for val_fraction: val's fallback document
         self.manifest: dict[str, Any] | None = None  # set by close()
 
     def add(self, tokens: Any) -> None:
@@ -190,8 +197,12 @@ class ShardWriter:
         document = np.append(ids.astype(self.dtype), np.array(self.eos_token_id, self.dtype))
         if self.cfg.val_fraction:
             digest = hashlib.blake2b(document.tobytes(), digest_size=8).digest()
-            in_val = int.from_bytes(digest, "little") / 2**64 < self.cfg.val_fraction
-            self._splits["val" if in_val else "train"].add(document)
+            if int.from_bytes(digest, "little") / 2**64 < self.cfg.val_fraction:
+                self._splits["val"].add(document)
+            else:
+                if self._last_train is not None:
+                    self._splits["train"].add(self._last_train)
+                self._last_train = document
         elif self.cfg.val_tokens:
             self._held_back.append(document)
             self._held_back_tokens += len(document)
@@ -210,6 +221,11 @@ class ShardWriter:
             )
         while self._held_back:
             self._splits["val"].add(self._held_back.popleft())
+        if self._last_train is not None:
+            val_is_empty = not self._splits["val"].documents
+            train_has_more = bool(self._splits["train"].documents)
+            self._splits["val" if val_is_empty and train_has_more else "train"].add(self._last_train)
+            self._last_train = None
         splits = {name: writer.finish() for name, writer in self._splits.items()}
         manifest = {
             "format": FORMAT_NAME,
