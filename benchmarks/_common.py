@@ -21,6 +21,7 @@ HERE = Path(__file__).resolve().parent
 PEER_VENV = HERE / ".venv-peers"
 PEER_PYTHON = PEER_VENV / "bin" / "python"
 PEER_SETUP = "bash benchmarks/setup_peers.sh"
+SETUP_LLAMA_SERVER = "bash benchmarks/setup_llama_server.sh"
 
 
 def timed(fn) -> float:
@@ -129,6 +130,20 @@ def run_llamacpp(job: dict) -> dict:
     if out.returncode:
         raise RuntimeError(f"llama.cpp peer failed ({out.returncode}): {out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def llama_server_binary(explicit: str | None = None) -> Path:
+    """The llama-server that setup_llama_server.sh built for this CPU (or the `explicit` path)."""
+    if explicit:
+        return Path(explicit)
+    found = subprocess.run(["bash", str(HERE / "setup_llama_server.sh"), "--print-path"], check=False,
+                           capture_output=True, text=True)
+    binary = Path(found.stdout.strip().splitlines()[-1] if found.stdout.strip() else "") / "llama-server"
+    if found.returncode or not binary.is_file():
+        raise SystemExit(f"the llama.cpp peer needs llama.cpp's C++ server `llama-server`, not built for this CPU yet: "
+                         f"run `{SETUP_LLAMA_SERVER}` once (about 15 minutes on 2 cores; the binaries are cached "
+                         f"in ~/.cache/tokenmind/llama.cpp/), or pass --llama-server PATH")
+    return binary
 
 
 def percentile(values: list[float], q: float) -> float | None:

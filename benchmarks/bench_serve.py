@@ -66,7 +66,8 @@ import httpx
 import jsonschema
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import HERE, emit, free_port, machine_info, percentile, start_server
+from _common import (SETUP_LLAMA_SERVER, emit, free_port, llama_server_binary, machine_info,  # noqa: E402
+                     percentile, start_server)
 
 QUESTIONS = [
     "What is the capital of France?", "Explain photosynthesis in two sentences.", "Write a haiku about the sea.",
@@ -288,23 +289,6 @@ def start_tokenmind(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     return start_server([sys.executable, "-c", code], port, "/health")
 
 
-SETUP_LLAMA_SERVER = "bash benchmarks/setup_llama_server.sh"
-
-
-def llama_server_binary(args: argparse.Namespace) -> Path:
-    """The llama-server that setup_llama_server.sh built for this CPU (or --llama-server)."""
-    if args.llama_server:
-        return Path(args.llama_server)
-    found = subprocess.run(["bash", str(HERE / "setup_llama_server.sh"), "--print-path"], check=False,
-                           capture_output=True, text=True)
-    binary = Path(found.stdout.strip().splitlines()[-1] if found.stdout.strip() else "") / "llama-server"
-    if found.returncode or not binary.is_file():
-        raise SystemExit(f"--peer llama.cpp needs llama.cpp's C++ server `llama-server`, not built for this CPU yet: "
-                         f"run `{SETUP_LLAMA_SERVER}` once (about 15 minutes on 2 cores; the binaries are cached "
-                         f"in ~/.cache/tokenmind/llama.cpp/), or pass --llama-server PATH")
-    return binary
-
-
 def start_llamacpp(args: argparse.Namespace, binary: Path) -> tuple[subprocess.Popen, str, dict]:
     """llama.cpp's C++ server on the same GGUF: as many threads as torch uses here, one slot per client."""
     import torch
@@ -422,7 +406,8 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     procs = []
     peer_info = None
-    binary = llama_server_binary(args) if args.peer == "llama.cpp" else None  # missing: say so before starting anything
+    # a missing binary is reported before anything starts
+    binary = llama_server_binary(args.llama_server) if args.peer == "llama.cpp" else None
     try:
         if args.url:
             url = args.url.rstrip("/")

@@ -2,6 +2,8 @@
 greedy text as plain decoding, report their acceptance, and a draft model with another
 vocabulary is refused with the reason."""
 
+import re
+
 import pytest
 import torch
 from test_eval_fixtures import config
@@ -45,8 +47,11 @@ def test_speculative_greedy_text_equals_plain_decoding(capsys, target, tmp_path,
 def test_chat_accepts_speculative(capsys, target, monkeypatch):
     assert main(["chat", "--model", str(target), "--max-tokens", "8", "-m", "hi"]) == 0
     plain = capsys.readouterr().out
-    assert main(["chat", "--model", str(target), "--max-tokens", "8", "--speculative", "ngram", "-m", "hi"]) == 0
-    assert capsys.readouterr().out == plain
+    assert main(["chat", "--model", str(target), "--max-tokens", "8", "--speculative", "ngram", "--stats",
+                 "-m", "hi"]) == 0
+    out, err = capsys.readouterr()
+    assert out == plain
+    assert re.search(r"\[\d+ tokens in [\d.]+ s; time to first token \d+ ms \(\d+ prompt tokens", err), err
 
 
 def test_draft_model_with_another_vocabulary_is_refused(capsys, target, tmp_path):

@@ -630,3 +630,49 @@ def test_smollm_matches_transformers_gguf_loader(smollm):
     for name, tensor in ours.items():
         torch.testing.assert_close(tensor, theirs[name], rtol=0, atol=1e-6, msg=name)
     assert model.config.num_key_value_heads == smollm.config["num_key_value_heads"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The header parser against the `gguf` package's reader
+# ---------------------------------------------------------------------------------------------
+
+
+def reference_contents(path: Path) -> tuple[dict, list]:
+    """What `gguf.GGUFReader` reads: metadata as plain values (float32 scalars at their shortest
+    decimal, as our parser gives them) and (name, type, shape, bytes) of every tensor."""
+    reader = gguf.GGUFReader(path)
+    meta = {}
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF."):  # the reader's own entries for the header counts
+            continue
+        value = f.contents()
+        meta[key] = float(str(np.float32(value))) if f.types == [gguf.GGUFValueType.FLOAT32] else value
+    tensors = [(t.name, t.tensor_type, tuple(int(d) for d in t.shape), t.data.shape, t.data.tobytes())
+               for t in reader.tensors]
+    return meta, tensors
+
+
+def assert_parses_like_the_reference(path: Path) -> None:
+    from tokenmind.model.gguf_format import read_gguf_file
+
+    parsed = read_gguf_file(path)
+    meta, tensors = reference_contents(path)
+    assert parsed.metadata == meta
+    assert [type(v) for v in parsed.metadata.values()] == [type(v) for v in meta.values()]
+    ours = [(t.name, t.tensor_type, t.shape, t.data.shape, t.data.tobytes()) for t in parsed.tensors]
+    assert ours == tensors
+    assert all(not t.data.flags.writeable for t in parsed.tensors)  # views of the read-only map
+
+
+def test_header_parser_reads_what_the_gguf_package_reads(tmp_path):
+    qtypes = {"model.layers.0.mlp.down_proj.weight": Q.Q5_1, "model.layers.0.self_attn.q_proj.weight": Q.Q8_0,
+              "model.layers.1.mlp.up_proj.weight": Q.F16, "model.layers.1.self_attn.v_proj.weight": Q.Q4_1}
+    meta = tiny_meta("qwen2") | {"qwen2.rope.scaling.factor": 2.5,
+                                 "tokenizer.ggml.scores": [0.5 * i for i in range(len(TOKENS))]}
+    path = write_model(tmp_path / "mixed.gguf", "qwen2", tiny_state_dict(), qtypes=qtypes, permute=False, meta=meta)
+    assert_parses_like_the_reference(path)
+
+
+@needs_smollm
+def test_header_parser_reads_the_real_smollm2_file_as_the_gguf_package_does():
+    assert_parses_like_the_reference(SMOLLM)

@@ -5,6 +5,8 @@ the kernels."""
 from __future__ import annotations
 
 import importlib.util
+import re
+import shutil
 from pathlib import Path
 
 import gguf
@@ -232,8 +234,9 @@ GGUF_TYPES = {  # one layer of each int4 kind, mixed int4 fusions, Q8_0, and a m
 }
 
 
-def write_tiny_gguf(path: Path) -> Path:
-    """A 2-layer llama GGUF written the way llama.cpp does it (q/k rows permuted for its RoPE)."""
+def write_tiny_gguf(path: Path, types: dict = GGUF_TYPES) -> Path:
+    """A 2-layer llama GGUF written the way llama.cpp does it (q/k rows permuted for its RoPE), each
+    tensor stored in its type from `types` (float32 if absent)."""
     rng = np.random.default_rng(0)
     shapes = {"model.embed_tokens.weight": (VOCAB, HIDDEN), "model.norm.weight": (HIDDEN,)}
     gguf_names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
@@ -256,14 +259,15 @@ def write_tiny_gguf(path: Path) -> Path:
         w.add_uint32(f"llama.{key}", value)
     w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
     w.add_string("tokenizer.ggml.model", "gpt2")
-    w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(VOCAB)])
+    # byte-level tokens for printable ASCII, space (Ġ) and newline (Ċ): any English prompt encodes
+    w.add_array("tokenizer.ggml.tokens", [chr(33 + i) for i in range(VOCAB - 2)] + ["\u0120", "\u010a"])
     for name, shape in shapes.items():
         t = (1 + 0.1 * rng.standard_normal(shape) if len(shape) == 1 else 0.1 * rng.standard_normal(shape))
         t = t.astype(np.float32)
         if ".q_proj." in name or ".k_proj." in name:  # llama.cpp's permutation of q/k rows
             heads = HEADS if ".q_proj." in name else KV
             t = t.reshape(heads, 2, t.shape[0] // heads // 2, t.shape[1]).swapaxes(1, 2).reshape(t.shape)
-        qtype = GGUF_TYPES.get(name, Q.F32)
+        qtype = types.get(name, Q.F32)
         if qtype == Q.F32:
             w.add_tensor(gguf_names[name], t)
         elif qtype == Q.F16:
@@ -334,8 +338,64 @@ def test_load_model_int4_copies_gguf_blocks_into_a_ready_model(tmp_path):
     assert isinstance(model.layers[0].mlp.gate_up_proj, Int4Linear) and isinstance(model.lm_head, Int8Linear)
     assert model.layers[0].mlp.gate_up_proj.compute_dtype == torch.bfloat16
     assert len(solo(model, [1, 2, 3], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))) == 5
-    with pytest.raises(ValueError, match="unknown quantization 'int3'.*int8, int4"):
+    with pytest.raises(ValueError, match="quantize='int3': choose one of int8, int4"):
         load_model(path, quantize="int3")
+
+
+def test_auto_runs_a_quantized_gguf_on_its_blocks_without_dequantizing_them(tmp_path, monkeypatch):
+    """dtype/quantize "auto" (the CLI's defaults) on a GGUF with quantized linears: int4 mode, the
+    same model as dequantizing everything first and then copying blocks, but the tensors that
+    become kernels are never dequantized to float (a third of a cold start on SmolLM2)."""
+    from tokenmind.model.gguf import GGUFCheckpoint
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    ckpt = read_gguf(path)
+    reference = build_model(ModelConfig.from_hf(ckpt.config), ckpt.load_state_dict(), source="tiny")
+    quantize_from_gguf(reference, ckpt)
+    dequantized = []
+    real_tensor = GGUFCheckpoint.tensor
+    monkeypatch.setattr(GGUFCheckpoint, "tensor",
+                        lambda self, name: dequantized.append(name) or real_tensor(self, name))
+    auto = load_model(path, dtype="auto", quantize="auto")
+    assert auto.quantization == "int4" and auto.model.embed_tokens.weight.dtype == torch.float32
+    in_blocks = {f"model.layers.0.{p}.weight" for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                       "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+                                                       "mlp.down_proj")}
+    in_blocks |= {f"model.layers.1.{p}.weight" for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                       "mlp.down_proj")}
+    assert not in_blocks & set(dequantized)  # Q4/Q8 linears: straight from blocks to kernels
+    assert {"model.layers.1.mlp.gate_proj.weight", "model.layers.1.self_attn.o_proj.weight",
+            "model.embed_tokens.weight"} <= set(dequantized)  # F16/F32 linears and the embedding stay float
+    for ours, theirs in zip(auto.model.modules(), reference.modules()):
+        assert type(ours) is type(theirs)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(auto.model(ids), reference(ids))
+
+
+def test_auto_keeps_float_checkpoints_float_in_their_own_precision_where_the_cpu_has_it(tmp_path, monkeypatch):
+    from safetensors.torch import load_file, save_file
+
+    from tokenmind.model import load as load_module
+    from tokenmind.model.checkpoint import save_hf_dir
+
+    f32_gguf = write_tiny_gguf(tmp_path / "f32.gguf", types={})
+    assert load_model(f32_gguf, dtype="auto", quantize="auto").quantization is None
+    model = Transformer(ModelConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER,
+                                    num_hidden_layers=1, num_attention_heads=HEADS, num_key_value_heads=KV))
+    model.init_weights(generator=torch.Generator().manual_seed(0))
+    f32_dir = save_hf_dir(model, tmp_path / "f32")  # tokenmind exports float32
+    bf16_dir = tmp_path / "bf16"  # as most checkpoints on the Hub are stored
+    shutil.copytree(f32_dir, bf16_dir)
+    save_file({k: v.to(torch.bfloat16) for k, v in load_file(f32_dir / "model.safetensors").items()},
+              bf16_dir / "model.safetensors")
+    for native in (True, False):
+        monkeypatch.setattr(load_module, "cpu_has_native_bf16", lambda native=native: native)
+        loaded = load_model(bf16_dir, dtype="auto", quantize="auto", tokenizer=f32_gguf)
+        assert loaded.quantization is None
+        assert loaded.model.embed_tokens.weight.dtype == (torch.bfloat16 if native else torch.float32)
+        assert load_model(f32_dir, dtype="auto", tokenizer=f32_gguf).model.embed_tokens.weight.dtype == torch.float32
+    assert load_model(bf16_dir, dtype="auto", quantize="none", tokenizer=f32_gguf).quantization is None
 
 
 def test_load_model_int8_quantizes_every_linear(tmp_path):
@@ -448,3 +508,18 @@ def test_k_quants_above_4_bits_and_mixed_fusions_go_to_int8():
         given = gguf_linear(blocks, list(names), None, torch.float32, weight=ref)  # the loaded model's floats
         assert torch.equal(given.weight, m.weight) and torch.equal(given.scales, m.scales)
     assert gguf_linear(blocks, ["q", "half"], None) is None  # F16 has no kernel mapping: stays float
+
+
+def test_generate_runs_a_quantized_gguf_quantized_with_no_flags_and_reports_its_timing(tmp_path, capsys):
+    from tokenmind.cli import main
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    assert main(["generate", "--model", str(path), "--max-tokens", "6", "--stats", "hello world"]) == 0
+    err = capsys.readouterr().err
+    assert "params, int4)" in err  # the load line names what runs
+    timing = re.search(r"\[(\d+) tokens in [\d.]+ s; time to first token (\d+) ms \((\d+) prompt tokens, "
+                       r"\d+ tok/s\); decode ([\d.]+) tok/s; finish: length\]", err)
+    assert timing, err
+    assert int(timing[1]) == 6 and int(timing[3]) >= 1 and float(timing[4]) > 0
+    assert main(["generate", "--model", str(path), "--max-tokens", "2", "--quantize", "none", "hi"]) == 0
+    assert "params, float32)" in capsys.readouterr().err

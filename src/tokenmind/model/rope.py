@@ -15,7 +15,7 @@ from .config import ModelConfig
 
 
 def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:
-    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
 
 
 def _yarn(cfg: ModelConfig, s: dict, dim: int) -> tuple[torch.Tensor, float]:
@@ -43,8 +43,8 @@ def _yarn(cfg: ModelConfig, s: dict, dim: int) -> tuple[torch.Tensor, float]:
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    pos_freqs = cfg.rope_theta ** (torch.arange(0, dim, 2).float() / dim)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
+    pos_freqs = cfg.rope_theta ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
     extrapolate = 1 - ramp  # 1 → keep the original frequency, 0 → interpolate by `factor`
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
     return inv_freq, float(attention_factor)
@@ -64,7 +64,10 @@ def _llama3(cfg: ModelConfig, s: dict, dim: int) -> torch.Tensor:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Computes (cos, sin) for given positions. Dynamic-NTK recomputes its base from the positions seen."""
+    """Computes (cos, sin) for given positions. Dynamic-NTK recomputes its base from the positions seen.
+
+    The frequencies are computed on the CPU even inside a `torch.device("meta")` block (the loader's
+    skeleton): arithmetic on meta tensors imports torch._dynamo first, 0.8 s of every start-up."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -96,7 +96,10 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # A skeleton on the meta device (the loader's) skips the embedding's random init: meta
+        # normal_ runs a Python decomposition that first imports torch._dynamo (0.8 s of start-up).
+        skeleton = torch.empty(cfg.vocab_size, cfg.hidden_size) if torch.empty(0).is_meta else None
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=skeleton)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

@@ -21,7 +21,7 @@ from typing import Any
 
 from ..config import Overrides, load_config
 from ..engine.speculative import SpeculativeConfig
-from ..model.load import QUANTIZATIONS
+from ..model.load import AUTO, quantization_setting
 from .tool_calls import FORMATS as TOOL_PARSERS
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -41,12 +41,15 @@ class ServeConfig:
     api_key: str | None = None  # if set, /v1/* and /metrics need `Authorization: Bearer <api_key>`
     served_model_name: str | None = None  # the `model` clients send; None = derived from `model`
     lora: dict[str, str] = field(default_factory=dict)  # LoRA adapters: the `model` name a request uses → PEFT dir
-    dtype: str = "float32"  # weight and KV cache dtype: float32, bfloat16, float16
+    # weight and KV cache dtype: auto (the checkpoint's own where the CPU computes it natively), float32, bfloat16,
+    # float16
+    dtype: str = "auto"
     kv_cache_bytes: int | None = None  # KV block pool size; None = the engine's share of free memory
     max_num_seqs: int = 64  # sequences decoded together in one engine step
     max_queue: int = 256  # requests that may wait for a running slot; beyond that: 429
     max_model_len: int | None = None  # longest prompt + output; None = the model's context window
-    quantization: str | None = None  # weight-only quantization of the linears: None, "int8" or "int4"
+    # weight-only quantized linears: auto (a GGUF's blocks run quantized), None, "int8", "int4"
+    quantization: str | None = "auto"
     max_queue_wait: float | None = 30.0  # seconds a request may wait for its first step; then 503 (None = forever)
     max_body_bytes: int | None = None  # request body limit (413 above); None = 128 bytes per context token, >= 1 MiB
     allowed_hosts: list[str] | None = None  # Host header values accepted; None = the bound address + localhost
@@ -93,9 +96,7 @@ class ServeConfig:
                              "it unset to follow the chat template")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
-        if self.quantization not in (None, *QUANTIZATIONS):
-            raise ValueError(f"quantization={self.quantization!r}: choose one of {', '.join(QUANTIZATIONS)} "
-                             "or leave it unset for float weights")
+        self.quantization = quantization_setting(self.quantization, "quantization")
 
     @property
     def model_name(self) -> str:
@@ -127,7 +128,8 @@ class ServeConfig:
 
     def engine_options(self) -> dict[str, Any]:
         """`EngineConfig` fields for `AsyncEngine.from_pretrained` / `EngineConfig(**...)`."""
-        options: dict[str, Any] = {"dtype": self.dtype, "max_num_seqs": self.max_num_seqs,
+        options: dict[str, Any] = {"dtype": None if self.dtype == AUTO else self.dtype,
+                                   "max_num_seqs": self.max_num_seqs,
                                    "max_num_batched_tokens": max(2048, self.max_num_seqs),
                                    "max_queue_wait": self.max_queue_wait}
         if self.kv_cache_bytes is not None:
