@@ -1,5 +1,7 @@
 """Paged attention (block pool + block tables) gives the same logits as the plain forward pass."""
 
+import sys
+
 import pytest
 import torch
 
@@ -101,3 +103,26 @@ def test_paged_needs_positions_and_pool():
     meta = PagedAttentionMetadata(torch.tensor([0]), [0, 1], [1], torch.tensor([[0]]))
     with pytest.raises(ValueError, match="explicit positions"):
         model(torch.tensor([[1]]), kv_cache=PagedKVCache(model.cfg, 2, BLOCK), attn=meta)
+
+
+def resident_bytes() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_unused_block_pool_costs_no_resident_memory(dtype):
+    """A 512 MiB pool (k + v) is zeros that become resident only where k/v are written."""
+    cfg = ModelConfig(vocab_size=64, hidden_size=256, intermediate_size=64, num_hidden_layers=8,
+                      num_attention_heads=4, num_key_value_heads=4)
+    per_block = PagedKVCache.bytes_per_block(cfg, 16, dtype)
+    before = resident_bytes()
+    cache = PagedKVCache(cfg, (512 << 20) // per_block, 16, dtype=dtype)
+    assert resident_bytes() - before < 32 << 20
+    assert cache.k.dtype == dtype and not cache.k[:, :3].any() and not cache.v[:, -3:].any()
+    cache.k_layer_slots[1].index_copy_(0, torch.tensor([5]), torch.ones(1, 4, 64, dtype=dtype))
+    cache.copy_block(0, 7)  # the pool is ordinary writable memory
+    assert cache.k[1, 7, 5].eq(1).all() and int(cache.k.count_nonzero()) == 2 * 4 * 64
