@@ -262,3 +262,35 @@ def test_openapi_documents_every_status_and_the_metrics_type(server):
     assert spec["components"]["schemas"]["ErrorResponse"]["properties"]["error"]
     metrics = spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     assert "text/plain; version=0.0.4" in " ".join(metrics)
+
+
+def test_a_sentence_encoder_serves_embeddings_beside_the_chat_model(pretrained, tmp_path):
+    """`serve --embedding-model DIR`: requests naming the encoder get its vectors (as `load_encoder`
+    computes them), the chat model keeps its own, and the encoder cannot be asked to generate."""
+    from test_encoder import write_tiny_bert
+
+    from tokenmind.model.encoder import load_encoder
+
+    encoder_dir = write_tiny_bert(tmp_path / "tiny-bert")
+    reference = load_encoder(encoder_dir)
+    texts = ["a man is eating food.", "the new movie is awesome", " ".join(["a b c"] * 30)]
+    with LiveServer(pretrained, embedding_model=str(encoder_dir)) as live:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list().data] == [MODEL, "tiny-bert"]
+        out = client.embeddings.create(model="tiny-bert", input=texts, encoding_format="float")
+        got = torch.tensor([d.embedding for d in out.data])
+        torch.testing.assert_close(got, reference.embed(texts), rtol=1e-5, atol=1e-5)
+        assert out.usage.prompt_tokens == sum(map(len, reference.encode_ids(texts)))  # the long one truncated
+        b64 = client.embeddings.create(model="tiny-bert", input=texts[0])  # base64, as the client asks by default
+        assert b64.data[0].embedding == pytest.approx(got[0].tolist(), abs=1e-6)
+        ids = reference.encode_ids(texts[:1])[0]
+        assert client.embeddings.create(model="tiny-bert", input=ids, encoding_format="float").data[0].embedding == \
+            pytest.approx(got[0].tolist(), abs=1e-5)
+        chat_vector = client.embeddings.create(model=MODEL, input="a small cat").data[0].embedding
+        assert len(chat_vector) == pretrained.model.cfg.hidden_size  # the LM's own embeddings still work
+        with pytest.raises(openai.BadRequestError, match="embedding model: use it with /v1/embeddings"):
+            client.chat.completions.create(model="tiny-bert", messages=[{"role": "user", "content": "hi"}])
+        with pytest.raises(openai.BadRequestError, match="token ids for tiny-bert must be in"):
+            client.embeddings.create(model="tiny-bert", input=[10 ** 6])
+        with pytest.raises(openai.BadRequestError, match="32 dimensions"):
+            client.embeddings.create(model="tiny-bert", input="x", dimensions=8)

@@ -421,6 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int)
     p.add_argument("--api-key", help="require this bearer token (default: $TOKENMIND_API_KEY)")
     p.add_argument("--served-model-name", help="model id clients use (default: the model's name)")
+    p.add_argument("--embedding-model", metavar="MODEL",
+                   help="also serve this sentence encoder on /v1/embeddings under its own name (alias minilm: "
+                        "all-MiniLM-L6-v2, or a sentence-transformers folder)")
     p.add_argument("--lora", type=name_equals_path, action="append", metavar="NAME=PATH",
                    help="serve a LoRA adapter (a PEFT directory) as model NAME beside the base; repeatable, "
                         "and one batch mixes requests for different adapters")

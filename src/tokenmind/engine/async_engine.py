@@ -137,6 +137,11 @@ class AsyncEngine:
         vectors = await self._call(self.engine.embed, prompts)
         return vectors.tolist()
 
+    async def run_between_steps(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on the engine thread, between two steps: other tensor work (an encoder's
+        forward) then shares the engine's OpenMP threads instead of starting a second team."""
+        return await self._call(fn, *args)
+
     @property
     def grammar(self) -> GrammarCompiler:
         """The engine's grammar compiler (thread-safe): compile a structured-output constraint here,

@@ -35,6 +35,7 @@ from ..engine.async_engine import AsyncEngine, EngineFailed, EngineStopped
 from ..engine.sampling import SamplingParams
 from ..engine.structured import StructuredOutput
 from ..model.load import Pretrained, load_model
+from ..model.encoder import SentenceEncoder, load_encoder
 from ..model.lora import is_adapter_dir, load_adapter, routing_of
 from .admission import Admission
 from .config import ServeConfig
@@ -72,8 +73,10 @@ class Prepared:
 class Service:
     """What the routes share: the model's tokenizer and limits, the engine while serving, admission, metrics."""
 
-    def __init__(self, config: ServeConfig, pretrained: Pretrained, draft: Pretrained | None = None):
+    def __init__(self, config: ServeConfig, pretrained: Pretrained, draft: Pretrained | None = None,
+                 encoder: SentenceEncoder | None = None):
         self.config, self.pretrained, self.tokenizer, self.draft = config, pretrained, pretrained.tokenizer, draft
+        self.encoder = encoder  # answers /v1/embeddings requests that name config.embedding_model_name
         self.model_name = config.model_name
         self.admission = Admission(config.max_num_seqs + config.max_queue, config.retry_after)
         self.metrics = Metrics(ENDPOINTS)
@@ -136,15 +139,19 @@ class Service:
 
     @property
     def model_names(self) -> list[str]:
-        """The base model's name, then its LoRA adapters' (what a request's `model` may be)."""
-        return [self.model_name, *self.config.lora]
+        """The base model's name, then its LoRA adapters' (what a request's `model` may be), then the encoder's."""
+        return [self.model_name, *self.config.lora, *([self.config.embedding_model_name] if self.encoder else [])]
 
-    def check_model(self, model: str) -> str | None:
-        """The LoRA adapter a request's `model` names (None: the base model), or a 404."""
+    def check_model(self, model: str, embeddings: bool = False) -> str | None:
+        """The LoRA adapter a request's `model` names (None: the base model), or a 404; the
+        embedding model is accepted only where `embeddings` (it cannot generate)."""
         if model not in self.model_names:
             served = ", ".join(repr(m) for m in self.model_names)
             raise APIError(404, f"the model {model!r} does not exist; this server serves {served} "
                                 "(see GET /v1/models)", param="model", code="model_not_found")
+        if model == self.config.embedding_model_name and not embeddings:
+            raise APIError(400, f"{model!r} is an embedding model: use it with /v1/embeddings; generate with "
+                                f"{self.model_name!r}", param="model")
         return None if model == self.model_name else model
 
     @functools.cached_property
@@ -276,7 +283,9 @@ class Service:
     def embedding_inputs(self, raw: bytes, content_type: str | None) -> tuple[EmbeddingRequest, list[list[int]]]:
         """Parse and tokenize an embeddings request (worker thread)."""
         body = parse_body(raw, content_type, EmbeddingRequest)
-        self.check_model(body.model)
+        self.check_model(body.model, embeddings=True)
+        if self.encoder is not None and body.model == self.config.embedding_model_name:
+            return body, self.encoder_inputs(body)
         hidden = self.pretrained.model.cfg.hidden_size
         if body.dimensions is not None and body.dimensions != hidden:
             raise APIError(400, f"this model's embeddings have {hidden} dimensions and cannot be shortened; "
@@ -289,17 +298,39 @@ class Service:
                 raise APIError(400, str(e), param="input") from e
         return body, prompts
 
+    def encoder_inputs(self, body: EmbeddingRequest) -> list[list[int]]:
+        """The encoder's token ids for each input: text tokenized (and truncated) as in training, or
+        token ids of its own vocabulary as given."""
+        enc = self.encoder
+        if body.dimensions is not None and body.dimensions != enc.dimensions:
+            raise APIError(400, f"{body.model} embeddings have {enc.dimensions} dimensions and cannot be "
+                                "shortened; leave out `dimensions`", param="dimensions")
+        rows = []
+        for item in body.inputs():
+            if isinstance(item, str):
+                rows.extend(enc.encode_ids([item]))
+            elif max(item) >= enc.model.cfg.vocab_size or min(item) < 0 or len(item) > enc.max_seq_length:
+                raise APIError(400, f"token ids for {body.model} must be in [0, {enc.model.cfg.vocab_size}) and at "
+                                    f"most {enc.max_seq_length} of them; or send text", param="input")
+            else:
+                rows.append(item)
+        return rows
+
     async def embeddings(self, request: Request) -> dict[str, Any]:
-        self.ready()
+        engine = self.ready()
         body, prompts = await asyncio.to_thread(self.embedding_inputs, await request.body(),
                                                 request.headers.get("content-type"))
-        vectors = await self.ready().embed(prompts)
+        if self.encoder is not None and body.model == self.config.embedding_model_name:
+            vectors = (await engine.run_between_steps(self.encoder.embed_ids, prompts)).tolist()
+            pooling = "mean of the encoder's final hidden states, L2-normalized (sentence-transformers)"
+        else:
+            vectors = await engine.embed(prompts)
+            pooling = "mean of the language model's final hidden states, L2-normalized"
         data = [{"object": "embedding", "index": i, "embedding": _encode_vector(v, body.encoding_format)}
                 for i, v in enumerate(vectors)]
         tokens = sum(map(len, prompts))
         return {"object": "list", "data": data, "model": body.model,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-                "pooling": "mean of the language model's final hidden states, L2-normalized"}
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}, "pooling": pooling}
 
     def tokenize(self, raw: bytes, content_type: str | None) -> dict[str, Any]:
         body = parse_body(raw, content_type, TokenizeRequest)
@@ -392,6 +423,10 @@ def _load_models(config: ServeConfig) -> tuple[Pretrained, Pretrained | None]:
     return pretrained, draft
 
 
+def _load_encoder(config: ServeConfig) -> SentenceEncoder | None:
+    return None if config.embedding_model is None else load_encoder(config.embedding_model)
+
+
 def attach_adapters(pretrained: Pretrained, adapters: dict[str, str]) -> None:
     """Add each LoRA adapter (name → PEFT directory) to the model, none active: each request
     picks one (or none) by its `model`, and one batch mixes them."""
@@ -412,7 +447,7 @@ def build_app(config: ServeConfig, pretrained: Pretrained | None = None) -> Fast
     if pretrained is None:
         pretrained, draft = load_off_main_thread(config)
     attach_adapters(pretrained, config.lora)
-    service = Service(config, pretrained, draft)
+    service = Service(config, pretrained, draft, _load_encoder(config))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -457,7 +492,7 @@ def build_app(config: ServeConfig, pretrained: Pretrained | None = None) -> Fast
 
     @app.get("/v1/models/{model_id:path}", responses=documented(401, 404))
     async def get_model(model_id: str) -> dict:
-        service.check_model(model_id)
+        service.check_model(model_id, embeddings=True)
         return _model_card(service, model_id)
 
     @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest), responses=GENERATION_RESPONSES)
@@ -549,7 +584,9 @@ def _document_request_bodies(app: FastAPI, *models: type[BaseModel]) -> None:
 def _model_card(service: Service, name: str) -> dict:
     card = {"id": name, "object": "model", "created": 0, "owned_by": "tokenmind",
             "max_model_len": service.max_model_len}
-    if name != service.model_name:  # a LoRA adapter over the base model, as vLLM lists them
+    if name == service.config.embedding_model_name and service.encoder is not None:  # /v1/embeddings only
+        card.update(root=str(service.encoder.path), max_model_len=service.encoder.max_seq_length)
+    elif name != service.model_name:  # a LoRA adapter over the base model, as vLLM lists them
         card.update(root=str(service.config.lora[name]), parent=service.model_name)
     return card
 

@@ -61,6 +61,8 @@ class ServeConfig:
     shutdown_timeout: float = 30.0  # seconds in-flight requests may run after SIGTERM before being aborted
     retry_after: int = 1  # seconds a 429 tells the client to wait
     speculative: str | None = None  # "ngram" (prompt lookup) or a draft model with the same tokenizer
+    # a sentence encoder (alias minilm, or a sentence-transformers folder) for /v1/embeddings under its own name
+    embedding_model: str | None = None
     num_speculative_tokens: int = 8  # the most draft tokens per sequence and step
     tool_parser: str | None = None  # how replies call tools: hermes, json, generic; None = from the chat template
     log_level: str = "info"
@@ -87,7 +89,10 @@ class ServeConfig:
         if self.max_body_bytes is not None and self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024 (a chat request needs a few hundred bytes), "
                              f"got {self.max_body_bytes}")
-        clash = sorted(set(self.lora) & {self.model_name})
+        clash = sorted(set(self.lora) & {self.model_name, self.embedding_model_name})
+        if self.embedding_model_name == self.model_name:
+            raise ValueError(f"the embedding model and the chat model are both named {self.model_name!r}; set "
+                             "served_model_name")
         if clash or any(not name or not path for name, path in self.lora.items()):
             raise ValueError(f"every LoRA adapter needs a name other than the base model's ({self.model_name!r}) "
                              f"and a path, as --lora NAME=PATH; got {self.lora}")
@@ -105,6 +110,11 @@ class ServeConfig:
             return self.served_model_name
         path = Path(self.model)
         return path.stem if path.suffix == ".gguf" else path.name or str(self.model)
+
+    @property
+    def embedding_model_name(self) -> str | None:
+        """The `model` an embeddings request names to get the encoder's vectors (its alias or folder name)."""
+        return None if self.embedding_model is None else Path(self.embedding_model).name
 
     @property
     def is_public(self) -> bool:
