@@ -15,7 +15,7 @@ LAYERS = [
     ["tokenmind.engine"],
     ["tokenmind.train"],
     ["tokenmind.eval", "tokenmind.posttrain"],
-    ["tokenmind.chat", "tokenmind.serve", "tokenmind.speedrun"],
+    ["tokenmind.chat", "tokenmind.serve", "tokenmind.speedrun", "tokenmind.apps"],
     ["tokenmind.cli", "tokenmind"],  # the front door and the command line
 ]
 

@@ -335,6 +335,28 @@ def cmd_data_synthesize(args) -> None:
     print(f"wrote {out}", file=sys.stderr)
 
 
+def cmd_rag_index(args) -> None:
+    from .apps.rag import build_index
+    from .model.encoder import load_encoder
+
+    t0 = time.perf_counter()
+    index, stats = build_index(args.paths, load_encoder(args.encoder), args.out, max_tokens=args.chunk_tokens,
+                               overlap=args.overlap, add=args.add, progress=sys.stderr.isatty())
+    print(json.dumps({"index": str(args.out), **stats, "seconds": round(time.perf_counter() - t0, 2)}))
+
+
+def cmd_rag_search(args) -> None:
+    from .apps.rag import RagIndex
+
+    for rank, hit in enumerate(RagIndex.load(args.index).search(args.query, args.k, args.mode), start=1):
+        if args.json:
+            print(json.dumps({"rank": rank, "score": round(hit.score, 4), "source": hit.chunk.source,
+                              "heading": hit.chunk.heading, "text": hit.chunk.text}, ensure_ascii=False))
+        else:
+            where = hit.chunk.source + (f" — {hit.chunk.heading}" if hit.chunk.heading else "")
+            print(f"[{rank}] {where} (score {hit.score:.4f})\n{hit.chunk.text}\n")
+
+
 def cmd_tokenizer_train(args) -> None:
     from .tokenizer.train import TokenizerTrainConfig, train_tokenizer
 
@@ -652,6 +674,30 @@ def build_parser() -> argparse.ArgumentParser:
                                    "~/.cache/tokenmind/models) and print each file's path.")
     p.add_argument("aliases", nargs="+", metavar="ALIAS", help="e.g. qwen2.5-coder-0.5b")
     p.set_defaults(func=cmd_fetch_model)
+
+    rag = sub.add_parser("rag", help="retrieval: index documents, search them").add_subparsers(
+        dest="rag_command", metavar="SUBCOMMAND", required=True)
+    p = rag.add_parser("index", help="chunk, embed and index documents (txt, md, rst, html, pdf, jsonl)",
+                       description="Read the files (folders are walked), cut them into passages on heading and "
+                                   "paragraph boundaries, embed them with the sentence encoder and build a dense + "
+                                   "BM25 index in the folder --out. Run again to update it: only new and edited "
+                                   "documents are embedded; documents no longer given are dropped (unless --add).")
+    p.add_argument("paths", nargs="+", metavar="PATH", help="files or folders to index")
+    p.add_argument("--out", required=True, metavar="INDEX", help="the index folder (replaced atomically)")
+    p.add_argument("--encoder", default="minilm", help="sentence encoder (default minilm: all-MiniLM-L6-v2)")
+    p.add_argument("--chunk-tokens", type=int, default=200, help="most encoder tokens per passage (default 200)")
+    p.add_argument("--overlap", type=int, default=40, help="tokens shared by neighbouring passages (default 40)")
+    p.add_argument("--add", action="store_true", help="keep the documents already in the index that are not given")
+    p.set_defaults(func=cmd_rag_index)
+    p = rag.add_parser("search", help="the passages of an index that best match a query",
+                       description="Rank passages by dense (encoder cosine), bm25, or hybrid (both, merged by "
+                                   "reciprocal rank fusion) retrieval.")
+    p.add_argument("index", metavar="INDEX")
+    p.add_argument("query")
+    p.add_argument("-k", type=int, default=5, help="passages to return (default 5)")
+    p.add_argument("--mode", choices=("dense", "bm25", "hybrid"), default="hybrid")
+    p.add_argument("--json", action="store_true", help="print JSON lines instead of text")
+    p.set_defaults(func=cmd_rag_search)
 
     tok = sub.add_parser("tokenizer", help="tokenizer commands").add_subparsers(dest="tokenizer_command",
                                                                                metavar="SUBCOMMAND", required=True)

@@ -1,0 +1,1 @@
+"""Applications on top of the engine and the models: retrieval-augmented generation (`rag`)."""

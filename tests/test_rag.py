@@ -1,0 +1,212 @@
+"""Retrieval: documents → chunks on heading/paragraph boundaries → a dense + BM25 index that is
+saved atomically, updated incrementally and searched by dense, BM25 and reciprocal rank fusion."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from test_encoder import needs_minilm, write_tiny_bert
+
+from tokenmind.apps.rag import RagIndex, build_index, chunk_text, read_documents, reciprocal_rank_fusion
+from tokenmind.apps.rag import index as index_module
+from tokenmind.cli import main
+from tokenmind.model.encoder import load_encoder
+
+
+def words(text: str) -> int:
+    return len(text.split())
+
+
+# ----------------------------------------------------------------- chunking
+
+def test_chunks_follow_headings_fit_the_budget_and_overlap():
+    paragraphs = [" ".join(f"p{i}w{j}" for j in range(5)) for i in range(6)]
+    text = "Guide\n=====\n\n" + "\n\n".join(paragraphs[:3]) + "\n\n## Install\n\n" + "\n\n".join(paragraphs[3:])
+    chunks = chunk_text(text, "doc.rst", words, max_tokens=12, overlap=5)
+    assert all(words(c.text) <= 12 for c in chunks)
+    assert [c.heading for c in chunks] == ["Guide", "Guide", "Install", "Install"]  # no chunk crosses a heading
+    assert [c.position for c in chunks] == [0, 1, 2, 3] and {c.source for c in chunks} == {"doc.rst"}
+    assert chunks[1].text.startswith(paragraphs[1])  # the previous chunk's last paragraph carried over
+    assert not chunks[2].text.startswith(paragraphs[2])  # but never across the heading
+    for p in paragraphs:  # every paragraph lands whole in some chunk
+        assert any(p in c.text for c in chunks)
+    assert chunks[0].for_embedding == "Guide\n" + chunks[0].text
+
+
+def test_a_long_table_is_cut_between_its_rows_and_a_long_line_between_words():
+    table = "\n".join(f"| row {i} | a b c |" for i in range(10))  # 8 words per row
+    chunks = chunk_text(table, "t.md", words, max_tokens=20, overlap=8)
+    assert len(chunks) > 3 and all(words(c.text) <= 20 for c in chunks)
+    for c in chunks:
+        assert all(line.startswith("| row") and line.endswith("|") for line in c.text.split("\n"))
+    assert chunks[1].text.split("\n")[0] == chunks[0].text.split("\n")[-1]  # one row of overlap
+    long_line = " ".join(f"w{i}" for i in range(50))
+    pieces = chunk_text(long_line, "l.txt", words, max_tokens=16, overlap=4)
+    assert [words(c.text) for c in pieces][:3] == [16, 16, 16]
+    assert pieces[1].text.split()[:4] == pieces[0].text.split()[-4:]
+    with pytest.raises(ValueError, match="overlap < max_tokens / 2"):
+        chunk_text("x", "x", words, max_tokens=10, overlap=6)
+
+
+# ----------------------------------------------------------------- documents
+
+def minimal_pdf(text: str) -> bytes:
+    """A one-page PDF whose content stream shows `text` (enough for pypdf's text extraction)."""
+    stream = f"BT /F1 12 Tf 72 720 Td ({text}) Tj ET".encode()
+    objects = [b"<< /Type /Catalog /Pages 2 0 R >>", b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+               b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R "
+               b"/Resources << /Font << /F1 5 0 R >> >> >>",
+               b"<< /Length %d >>\nstream\n" % len(stream) + stream + b"\nendstream",
+               b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>"]
+    out, offsets = bytearray(b"%PDF-1.4\n"), []
+    for i, body in enumerate(objects, start=1):
+        offsets.append(len(out))
+        out += b"%d 0 obj\n" % i + body + b"\nendobj\n"
+    xref = len(out)
+    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
+    out += b"".join(b"%010d 00000 n \n" % o for o in offsets)
+    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref)
+    return bytes(out)
+
+
+def test_every_supported_format_reads_as_text(tmp_path):
+    (tmp_path / "a.md").write_text("# Title\n\nSome *markdown*.")
+    (tmp_path / "b.html").write_text("<html><head><script>x=1</script></head><body><h1>Head</h1>"
+                                     "<p>Para one.</p><nav>menu</nav></body></html>")
+    (tmp_path / "c.rst").write_text("See :func:`len` for sizes.\n\n.. index:: hidden\n")
+    (tmp_path / "d.jsonl").write_text(json.dumps({"id": "q1", "text": "first"}) + "\n\n" +
+                                      json.dumps({"text": "second"}) + "\n")
+    (tmp_path / "e.pdf").write_bytes(minimal_pdf("Portable text"))
+    (tmp_path / "skip.bin").write_bytes(b"\0\1")
+    docs = {d.source.removeprefix(str(tmp_path) + "/"): d.text for d in read_documents([tmp_path])}
+    assert docs["a.md"] == "# Title\n\nSome *markdown*."
+    assert "Head" in docs["b.html"] and "Para one." in docs["b.html"] and "x=1" not in docs["b.html"]
+    assert "menu" not in docs["b.html"]
+    assert docs["c.rst"] == "See len for sizes."
+    assert docs["d.jsonl#q1"] == "first" and docs["d.jsonl#3"] == "second"
+    assert docs["e.pdf"].strip() == "Portable text"
+    assert not any(k.startswith("skip") for k in docs)
+    with pytest.raises(ValueError, match=r"cannot index \.bin"):
+        read_documents([tmp_path / "skip.bin"])
+    (tmp_path / "bad.jsonl").write_text('{"title": "no text"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: each line must be a JSON object with a \"text\""):
+        read_documents([tmp_path / "bad.jsonl"])
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        read_documents([tmp_path / "nope"])
+
+
+# ----------------------------------------------------------------- fusion and the index
+
+def test_reciprocal_rank_fusion_sums_inverse_ranks():
+    fused = dict(reciprocal_rank_fusion([[1, 2, 3], [3, 1]], k=60))
+    assert fused[1] == pytest.approx(1 / 61 + 1 / 62) and fused[3] == pytest.approx(1 / 63 + 1 / 61)
+    assert fused[2] == pytest.approx(1 / 62)
+    assert [i for i, _ in reciprocal_rank_fusion([[1, 2, 3], [3, 1]])] == [1, 3, 2]
+
+
+@pytest.fixture(scope="module")
+def tiny_encoder(tmp_path_factory):
+    return load_encoder(write_tiny_bert(tmp_path_factory.mktemp("enc") / "tiny-bert"))
+
+
+CORPUS = {"cats.md": "# Cats\n\na man is eating food.\n\nthe new movie is awesome",
+          "code.txt": "def f(x):\n    return x ** 2  # squares",
+          "misc.txt": "1 2 3 4 5 6 7 8 9 10\n\nnaïve café — déjà vu?"}
+
+
+def write_corpus(root, corpus=CORPUS):
+    root.mkdir(exist_ok=True)
+    for name, text in corpus.items():
+        (root / name).write_text(text)
+    return root
+
+
+def test_dense_bm25_and_hybrid_search_rank_as_defined(tmp_path, tiny_encoder):
+    index, stats = build_index([write_corpus(tmp_path / "docs")], tiny_encoder, tmp_path / "idx", max_tokens=8,
+                               overlap=2, progress=False)
+    assert stats == {"documents": 3, "unchanged": 0, "embedded": 3, "removed": 0, "chunks": len(index.chunks)}
+    query = "the movie is awesome"
+    want = tiny_encoder.embed([c.for_embedding for c in index.chunks]) @ tiny_encoder.embed([query])[0]
+    dense = index.search(query, k=4, mode="dense")
+    assert [h.id for h in dense] == np.argsort(-want.numpy(), kind="stable")[:4].tolist()
+    assert [h.score for h in dense] == pytest.approx(sorted(want.tolist(), reverse=True)[:4], abs=1e-5)
+    bm25 = index.search(query, k=4, mode="bm25")
+    assert bm25 and "movie" in bm25[0].chunk.text and all(h.score > 0 for h in bm25)
+    assert index.search("zebra", mode="bm25") == []  # no shared word: no BM25 hit
+    depth = 20
+    lists = [[i for i, _ in index.dense_ranking(query, depth)], [i for i, _ in index.bm25_ranking(query, depth)]]
+    assert [h.id for h in index.search(query, k=3)] == [i for i, _ in reciprocal_rank_fusion(lists)[:3]]
+    loaded = RagIndex.load(tmp_path / "idx")  # the saved index answers the same
+    for mode in ("dense", "bm25", "hybrid"):
+        assert [(h.id, round(h.score, 5)) for h in loaded.search(query, 3, mode)] == \
+            [(h.id, round(h.score, 5)) for h in index.search(query, 3, mode)]
+    with pytest.raises(ValueError, match="unknown retrieval mode 'sparse'"):
+        index.search(query, mode="sparse")
+
+
+def test_reindexing_embeds_only_what_changed(tmp_path, tiny_encoder, monkeypatch):
+    docs = write_corpus(tmp_path / "docs")
+    build_index([docs], tiny_encoder, tmp_path / "idx", max_tokens=8, overlap=2, progress=False)
+    embedded: list[str] = []
+    real_embed = index_module._embed
+    monkeypatch.setattr(index_module, "_embed", lambda enc, chunks, progress: embedded.extend(
+        c.source for c in chunks) or real_embed(enc, chunks, progress))
+    (docs / "code.txt").write_text("def g(y):\n    return y + 1")  # edited
+    (docs / "misc.txt").unlink()  # removed
+    (docs / "new.md").write_text("# New\n\nfresh text here")  # added
+    index, stats = build_index([docs], tiny_encoder, tmp_path / "idx", max_tokens=8, overlap=2, progress=False)
+    assert set(embedded) == {str(docs / "code.txt"), str(docs / "new.md")}
+    assert (stats["unchanged"], stats["embedded"], stats["removed"], stats["documents"]) == (1, 2, 1, 3)
+    fresh = build_index([docs], tiny_encoder, tmp_path / "fresh", max_tokens=8, overlap=2, progress=False)[0]
+    assert sorted(c.text for c in index.chunks) == sorted(c.text for c in fresh.chunks)
+    by_text = {c.text: v for c, v in zip(fresh.chunks, fresh.vectors)}
+    for c, v in zip(index.chunks, index.vectors):  # reused and new vectors sit on their own chunks
+        np.testing.assert_allclose(v, by_text[c.text], atol=1e-5)
+    embedded.clear()
+    other = write_corpus(tmp_path / "other", {"x.txt": "another file"})
+    _, stats = build_index([other], tiny_encoder, tmp_path / "idx", max_tokens=8, overlap=2, add=True, progress=False)
+    assert embedded == [str(other / "x.txt")] and stats["documents"] == 4 and stats["removed"] == 0
+    embedded.clear()  # other chunking settings: nothing can be reused
+    build_index([docs], tiny_encoder, tmp_path / "idx", max_tokens=12, overlap=2, progress=False)
+    assert len(set(embedded)) == 3
+
+
+def test_a_failed_save_leaves_the_old_index_whole(tmp_path, tiny_encoder, monkeypatch):
+    docs = write_corpus(tmp_path / "docs")
+    build_index([docs], tiny_encoder, tmp_path / "idx", max_tokens=8, overlap=2, progress=False)
+    before = (tmp_path / "idx" / "chunks.jsonl").read_text()
+    (docs / "code.txt").write_text("changed")
+
+    def broken_save(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(np, "save", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        build_index([docs], tiny_encoder, tmp_path / "idx", max_tokens=8, overlap=2, progress=False)
+    assert (tmp_path / "idx" / "chunks.jsonl").read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs", "idx"]  # no scratch folder left
+    (tmp_path / "notes").mkdir()
+    monkeypatch.undo()
+    with pytest.raises(FileExistsError, match="not a tokenmind index"):
+        build_index([docs], tiny_encoder, tmp_path / "notes", progress=False)
+
+
+@needs_minilm
+def test_rag_index_and_search_from_the_cli_find_the_passage_by_meaning(tmp_path, capsys):
+    docs = write_corpus(tmp_path / "docs", {
+        "pets.md": "# Pets\n\nCats are small domesticated felines that purr and hunt mice.",
+        "space.md": "# Rockets\n\nA rocket engine expels exhaust to produce thrust and reach orbit.",
+        "kitchen.md": "# Baking\n\nKnead the dough, let it rise, then bake the bread for forty minutes."})
+    assert main(["rag", "index", str(docs), "--out", str(tmp_path / "idx")]) == 0
+    assert json.loads(capsys.readouterr().out)["chunks"] == 3
+    for query, source in [("which animal makes a purring sound?", "pets.md"),
+                          ("how do spacecraft get into orbit", "space.md"), ("making a loaf", "kitchen.md")]:
+        assert main(["rag", "search", str(tmp_path / "idx"), query, "-k", "1", "--mode", "dense", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["source"].endswith(source), query
+    assert main(["rag", "search", str(tmp_path / "idx"), "rocket thrust", "-k", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("[1] ") and "space.md — Rockets" in out.split("\n")[0]
+    assert main(["rag", "search", str(tmp_path / "missing"), "x"]) == 2
+    assert "not a tokenmind index" in capsys.readouterr().err
