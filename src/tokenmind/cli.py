@@ -357,6 +357,23 @@ def cmd_rag_search(args) -> None:
             print(f"[{rank}] {where} (score {hit.score:.4f})\n{hit.chunk.text}\n")
 
 
+def cmd_rag_ask(args) -> None:
+    from .apps.rag import RagIndex, ask
+    from .chat import interactive_llm
+
+    index = RagIndex.load(args.index)
+    answer, stream = ask(interactive_llm(_load(args)), index, args.question, _sampling_params(args), args.k,
+                         args.mode)
+    for piece in stream:
+        print(piece, end="", flush=True)
+    print()
+    for n, hit in answer.sources():
+        print(f"[{n}] {hit.chunk.source}" + (f" — {hit.chunk.heading}" if hit.chunk.heading else ""))
+    if answer.citations.invented:
+        print(f"(dropped citations of passages that were not retrieved: {', '.join(answer.citations.invented)})",
+              file=sys.stderr)
+
+
 def cmd_tokenizer_train(args) -> None:
     from .tokenizer.train import TokenizerTrainConfig, train_tokenizer
 
@@ -698,6 +715,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=("dense", "bm25", "hybrid"), default="hybrid")
     p.add_argument("--json", action="store_true", help="print JSON lines instead of text")
     p.set_defaults(func=cmd_rag_search)
+    p = rag.add_parser("ask", help="answer a question from an index, citing the passages",
+                       description="Retrieve passages, give them to the chat model numbered, and stream its answer. "
+                                   "Citations [n] that name no retrieved passage are dropped (and reported); the "
+                                   "cited passages' sources are listed after the answer.")
+    p.add_argument("index", metavar="INDEX")
+    p.add_argument("question")
+    _add_model_args(p)
+    _add_sampling_args(p, max_tokens=256)
+    p.add_argument("-k", type=int, default=4, help="passages to retrieve (default 4)")
+    p.add_argument("--mode", choices=("dense", "bm25", "hybrid"), default="hybrid")
+    p.set_defaults(func=cmd_rag_ask)
 
     tok = sub.add_parser("tokenizer", help="tokenizer commands").add_subparsers(dest="tokenizer_command",
                                                                                metavar="SUBCOMMAND", required=True)
