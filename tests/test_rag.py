@@ -265,3 +265,43 @@ def test_ask_grounds_the_prompt_in_the_retrieved_passages_and_checks_its_citatio
     for n, hit in enumerate(answer.hits, start=1):  # every retrieved passage, numbered, with its source
         assert f"Passage {n} ({hit.chunk.source}" in prompt and hit.chunk.text in prompt
     assert "Question: the movie is awesome" in prompt
+
+
+# ----------------------------------------------------------------- evaluation
+
+def test_squad_exact_match_and_f1_follow_the_official_normalisation():
+    from tokenmind.apps.rag.evaluate import exact_match, f1, normalize_answer
+
+    assert normalize_answer("The  Santa Clara, (California)!") == "santa clara california"
+    assert exact_match("the Santa Clara.", ["Santa Clara", "Levi's Stadium"]) == 1.0
+    assert exact_match("Santa Clara, California", ["Santa Clara"]) == 0.0
+    assert f1("Santa Clara, California", ["Santa Clara"]) == pytest.approx(2 * (2 / 3) * 1 / (2 / 3 + 1))
+    assert f1("in Denver", ["Levi's Stadium", "Denver"]) == pytest.approx(2 / 3)  # best over the answers
+    assert f1("", ["x"]) == 0.0
+
+
+def test_retrieval_metrics_count_the_gold_passage_rank(tmp_path, tiny_encoder):
+    from tokenmind.apps.rag import index_documents
+    from tokenmind.apps.rag.evaluate import QAItem, load_qa, passages, retrieval_metrics
+
+    rows = [{"id": "a", "question": "the movie is awesome", "answers": ["x"], "context": "the new movie is awesome"},
+            {"id": "b", "question": "a man is eating food.", "answers": ["y"], "context": "a man is eating food."},
+            {"id": "c", "question": "1 2 3 4", "answers": ["z"], "context": "the new movie is awesome"}]
+    (tmp_path / "qa.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    items = load_qa(tmp_path / "qa.jsonl")
+    docs, gold = passages(items)
+    assert len(docs) == 2 and gold["a"] == gold["c"] != gold["b"]  # one document per distinct passage
+    index, _ = index_documents(docs, tiny_encoder, tmp_path / "idx", progress=False)
+    metrics = retrieval_metrics(index, items, gold, k=2, modes=("bm25",))["bm25"]
+    ranks = []
+    for item in items:  # recompute from the rankings themselves
+        sources = [h.chunk.source for h in index.search(item.question, 2, "bm25")]
+        ranks.append(sources.index(gold[item.id]) + 1 if gold[item.id] in sources else None)
+    assert metrics["recall@1"] == pytest.approx(sum(r == 1 for r in ranks) / 3, abs=1e-4)
+    assert metrics["recall@2"] == pytest.approx(sum(r is not None for r in ranks) / 3, abs=1e-4)
+    assert metrics["mrr@2"] == pytest.approx(sum(1 / r for r in ranks if r) / 3, abs=1e-4)
+    assert ranks[0] == 1 and ranks[2] is None  # "1 2 3 4" shares no word with its passage
+    (tmp_path / "bad.jsonl").write_text('{"question": "q"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1: a QA item needs question, answers and context"):
+        load_qa(tmp_path / "bad.jsonl")
+    assert QAItem("i", "q", ["a"], "c").answers == ["a"]

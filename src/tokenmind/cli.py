@@ -374,6 +374,39 @@ def cmd_rag_ask(args) -> None:
               file=sys.stderr)
 
 
+def cmd_rag_eval(args) -> None:
+    import tempfile
+
+    from .apps.rag import index_documents
+    from .apps.rag.evaluate import answer_metrics, load_qa, passages, retrieval_metrics
+    from .model.encoder import load_encoder
+
+    if not Path(args.data).is_file():
+        raise FileNotFoundError(f"{args.data} not found; fetch SQuAD with `tokenmind data fetch squad`")
+    items = load_qa(args.data)
+    docs, gold = passages(items)
+    with tempfile.TemporaryDirectory() as scratch:
+        t0 = time.perf_counter()
+        index, _ = index_documents(docs, load_encoder(args.encoder), args.index or Path(scratch) / "index",
+                                   progress=sys.stderr.isatty())
+        result = {"data": args.data, "questions": len(items), "passages": len(docs), "chunks": len(index.chunks),
+                  "index_seconds": round(time.perf_counter() - t0, 2),
+                  "retrieval": retrieval_metrics(index, items, gold, args.k)}
+        if args.model:
+            from .chat import interactive_llm
+            from .engine.sampling import SamplingParams
+
+            args.dtype = args.quantize = "auto"
+            llm = interactive_llm(_load(args))
+            subset = items[:args.answer_limit]
+            result["answers"] = {"model": args.model, "questions": len(subset),
+                                 **answer_metrics(llm, index, subset, SamplingParams(max_tokens=32, temperature=0))}
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
 def cmd_tokenizer_train(args) -> None:
     from .tokenizer.train import TokenizerTrainConfig, train_tokenizer
 
@@ -726,6 +759,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-k", type=int, default=4, help="passages to retrieve (default 4)")
     p.add_argument("--mode", choices=("dense", "bm25", "hybrid"), default="hybrid")
     p.set_defaults(func=cmd_rag_ask)
+    p = rag.add_parser("eval", help="retrieval recall@k / MRR and answer exact match / F1 on a QA set",
+                       description="Index the gold passages of a question set (default: SQuAD from `tokenmind data "
+                                   "fetch squad`), then measure recall@k and MRR for dense, bm25 and hybrid "
+                                   "retrieval; with --model also the model's exact match and F1, closed-book and "
+                                   "with retrieved passages.")
+    p.add_argument("--data", default="data/eval/squad.jsonl", help="JSONL of question, answers, context")
+    p.add_argument("--encoder", default="minilm")
+    p.add_argument("--index", default=None, help="keep the index in this folder (default: a temporary one)")
+    p.add_argument("-k", type=int, default=10, help="retrieval depth for recall and MRR (default 10)")
+    p.add_argument("--model", default=None, help="also score a chat model's answers (e.g. qwen2.5-coder-1.5b)")
+    p.add_argument("--answer-limit", type=int, default=100, help="questions to answer with --model (default 100)")
+    p.add_argument("--out", default=None, help="also write the results as JSON here")
+    p.set_defaults(func=cmd_rag_eval)
 
     tok = sub.add_parser("tokenizer", help="tokenizer commands").add_subparsers(dest="tokenizer_command",
                                                                                metavar="SUBCOMMAND", required=True)

@@ -8,7 +8,7 @@
 from .answer import Answer, CitationFilter, ask, grounded_messages
 from .chunking import Chunk, chunk_text
 from .documents import Document, read_documents
-from .index import RagIndex, build_index, reciprocal_rank_fusion
+from .index import RagIndex, build_index, index_documents, reciprocal_rank_fusion
 
 __all__ = ["Answer", "Chunk", "CitationFilter", "Document", "RagIndex", "ask", "build_index", "chunk_text",
-           "grounded_messages", "read_documents", "reciprocal_rank_fusion"]
+           "grounded_messages", "index_documents", "read_documents", "reciprocal_rank_fusion"]

