@@ -70,9 +70,9 @@ class RagIndex:
             import bm25s
 
             self._bm25 = bm25s.BM25()
-            if self.chunks:
-                self._bm25.index([[w for w in words] or ["\u2205"] for words in
-                                  _bm25_tokens([c.for_embedding for c in self.chunks])], show_progress=False)
+            if self.chunks:  # a chunk of stop words only gets a placeholder word: bm25s needs one per row
+                texts = [c.for_embedding for c in self.chunks]
+                self._bm25.index([words or ["\u2205"] for words in _bm25_tokens(texts)], show_progress=False)
         return self._bm25
 
     def encoder(self):
