@@ -305,3 +305,23 @@ def test_retrieval_metrics_count_the_gold_passage_rank(tmp_path, tiny_encoder):
     with pytest.raises(ValueError, match="bad.jsonl:1: a QA item needs question, answers and context"):
         load_qa(tmp_path / "bad.jsonl")
     assert QAItem("i", "q", ["a"], "c").answers == ["a"]
+
+
+def test_an_hnsw_graph_answers_like_exact_search_and_survives_a_round_trip(tmp_path, tiny_encoder):
+    pytest.importorskip("faiss")
+    docs = write_corpus(tmp_path / "docs")
+    index, _ = build_index([docs], tiny_encoder, tmp_path / "idx", max_tokens=8, overlap=2, hnsw=True, progress=False)
+    assert index.hnsw is not None and (tmp_path / "idx" / "hnsw.faiss").is_file()
+    rng = np.random.default_rng(0)
+    for _ in range(5):  # on a few vectors the graph search is exhaustive: the same neighbours, the same scores
+        q = rng.standard_normal(index.vectors.shape[1]).astype(np.float32)
+        q /= np.linalg.norm(q)
+        approx, exact = index.nearest(q, 4), index.nearest(q, 4, exact=True)
+        assert [i for i, _ in approx] == [i for i, _ in exact]
+        assert [s for _, s in approx] == pytest.approx([s for _, s in exact], abs=1e-5)
+    loaded = RagIndex.load(tmp_path / "idx")
+    assert loaded.hnsw is not None and loaded.hnsw.ntotal == len(index.chunks)
+    assert [h.id for h in loaded.search("the movie is awesome", 3, "dense")] == \
+        [h.id for h in index.search("the movie is awesome", 3, "dense")]
+    small, _ = build_index([docs], tiny_encoder, tmp_path / "small", max_tokens=8, overlap=2, progress=False)
+    assert small.hnsw is None and not (tmp_path / "small" / "hnsw.faiss").exists()  # auto: exact for few chunks

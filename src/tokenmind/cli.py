@@ -341,7 +341,7 @@ def cmd_rag_index(args) -> None:
 
     t0 = time.perf_counter()
     index, stats = build_index(args.paths, load_encoder(args.encoder), args.out, max_tokens=args.chunk_tokens,
-                               overlap=args.overlap, add=args.add, progress=sys.stderr.isatty())
+                               overlap=args.overlap, add=args.add, hnsw=args.hnsw, progress=sys.stderr.isatty())
     print(json.dumps({"index": str(args.out), **stats, "seconds": round(time.perf_counter() - t0, 2)}))
 
 
@@ -738,6 +738,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-tokens", type=int, default=200, help="most encoder tokens per passage (default 200)")
     p.add_argument("--overlap", type=int, default=40, help="tokens shared by neighbouring passages (default 40)")
     p.add_argument("--add", action="store_true", help="keep the documents already in the index that are not given")
+    p.add_argument("--hnsw", action=argparse.BooleanOptionalAction, default=None,
+                   help="approximate dense search with an HNSW graph (faiss); default: from 20,000 passages on")
     p.set_defaults(func=cmd_rag_index)
     p = rag.add_parser("search", help="the passages of an index that best match a query",
                        description="Rank passages by dense (encoder cosine), bm25, or hybrid (both, merged by "

@@ -1,18 +1,22 @@
 """The retrieval index: chunks with their sources, unit vectors from the encoder, and BM25.
 
-Three ways to rank chunks for a query: `dense` (cosine similarity of encoder vectors, exact),
+Three ways to rank chunks for a query: `dense` (cosine similarity of encoder vectors),
 `bm25` (word overlap weighted by rarity, `bm25s`), and `hybrid` — the two lists merged by
 reciprocal rank fusion, which needs no score calibration between them (Cormack et al. 2009).
 
-On disk an index is a folder: `meta.json` (settings and a SHA-256 per document), `chunks.jsonl`,
-`vectors.npy` and `bm25/`. It is written beside the old one and swapped in by renames, so a reader
-never sees half an index. Re-indexing reuses the vectors of documents whose text is unchanged:
-only new and edited documents are chunked and embedded again.
+Dense search is exact below HNSW_MIN_CHUNKS chunks; above, an HNSW graph (faiss) answers in
+about a millisecond at the price of sometimes missing a true neighbour (`benchmarks/bench_rag.py`
+measures both). On disk an index is a folder: `meta.json` (settings and a SHA-256 per document),
+`chunks.jsonl`, `vectors.npy`, `bm25/` and, with HNSW, `hnsw.faiss`. It is written beside the old
+one and swapped in by renames, so a reader never sees half an index. Re-indexing reuses the
+vectors of documents whose text is unchanged: only new and edited documents are chunked and
+embedded again (the HNSW graph is rebuilt from all vectors).
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -29,6 +33,8 @@ from .documents import Document, read_documents
 FORMAT, VERSION = "tokenmind-rag-index", 1
 MODES = ("dense", "bm25", "hybrid")
 RRF_K = 60  # the usual damping constant of reciprocal rank fusion
+HNSW_MIN_CHUNKS = 20_000  # below this, exact search (one matrix-vector product) is as fast and never misses
+HNSW_NEIGHBOURS, HNSW_EF_CONSTRUCTION = 32, 80
 
 
 @dataclass(frozen=True)
@@ -55,12 +61,24 @@ def _bm25_tokens(texts: list[str]) -> list[list[str]]:
 
 class RagIndex:
     def __init__(self, chunks: list[Chunk], vectors: np.ndarray, settings: dict, documents: dict[str, str],
-                 bm25=None):
+                 bm25=None, hnsw=None):
         if len(chunks) != len(vectors):
             raise ValueError(f"{len(chunks)} chunks but {len(vectors)} vectors")
         self.chunks, self.vectors, self.settings, self.documents = chunks, vectors, settings, documents
         self._bm25 = bm25
+        self.hnsw = hnsw  # a faiss HNSW graph over `vectors`, or None for exact search
         self._encoder = None
+
+    def build_hnsw(self) -> None:
+        """Approximate nearest-neighbour search (faiss HNSW, inner product = cosine on unit vectors)."""
+        try:
+            import faiss
+        except ImportError as e:
+            raise ImportError("an HNSW index needs faiss: pip install 'tokenmind[rag]'") from e
+        graph = faiss.IndexHNSWFlat(self.vectors.shape[1], HNSW_NEIGHBOURS, faiss.METRIC_INNER_PRODUCT)
+        graph.hnsw.efConstruction = HNSW_EF_CONSTRUCTION
+        graph.add(np.ascontiguousarray(self.vectors, dtype=np.float32))
+        self.hnsw = graph
 
     # ----------------------------------------------------------------- search
 
@@ -83,8 +101,18 @@ class RagIndex:
             self._encoder = load_encoder(self.settings["encoder"])
         return self._encoder
 
-    def dense_ranking(self, query: str, n: int) -> list[tuple[int, float]]:
+    def dense_ranking(self, query: str, n: int, exact: bool = False) -> list[tuple[int, float]]:
+        """The n chunks nearest the query: through the HNSW graph when there is one (unless `exact`),
+        else every vector scored."""
         q = self.encoder().embed([query])[0].numpy()
+        return self.nearest(q, n, exact)
+
+    def nearest(self, q: np.ndarray, n: int, exact: bool = False) -> list[tuple[int, float]]:
+        """(row, cosine) of the n vectors nearest the unit vector q, best first."""
+        if self.hnsw is not None and not exact:
+            self.hnsw.hnsw.efSearch = max(64, 2 * n)  # the candidate list: wider finds more of the true top n
+            scores, ids = self.hnsw.search(q[None].astype(np.float32), min(n, len(self.chunks)))
+            return [(int(i), float(s)) for i, s in zip(ids[0], scores[0]) if i >= 0]
         scores = self.vectors @ q
         top = np.argsort(-scores, kind="stable")[:n]
         return [(int(i), float(scores[i])) for i in top]
@@ -127,6 +155,10 @@ class RagIndex:
                 for c in self.chunks:
                     f.write(json.dumps(asdict(c), ensure_ascii=False) + "\n")
             np.save(scratch / "vectors.npy", self.vectors.astype(np.float32))
+            if self.hnsw is not None:
+                import faiss
+
+                faiss.write_index(self.hnsw, str(scratch / "hnsw.faiss"))
             if self.chunks:
                 self.bm25.save(str(scratch / "bm25"), show_progress=False)
             old = None
@@ -160,24 +192,32 @@ class RagIndex:
             import bm25s
 
             bm25 = bm25s.BM25.load(str(path / "bm25"), show_progress=False)
+        hnsw = None
+        if (path / "hnsw.faiss").is_file():
+            import faiss
+
+            hnsw = faiss.read_index(str(path / "hnsw.faiss"))
         settings = {k: v for k, v in meta.items() if k not in ("format", "version", "documents", "chunks")}
-        return cls(chunks, vectors, settings, meta["documents"], bm25)
+        return cls(chunks, vectors, settings, meta["documents"], bm25, hnsw)
 
 
 def build_index(paths: list[str | Path], encoder, out: str | Path, *, max_tokens: int = 200, overlap: int = 40,
-                add: bool = False, progress: bool = True) -> tuple[RagIndex, dict[str, int]]:
+                add: bool = False, hnsw: bool | None = None, progress: bool = True) -> tuple[RagIndex, dict[str, int]]:
     """Index the documents under `paths` into the folder `out`; returns the index and what changed.
 
     An index already at `out` (same encoder and chunking) is updated: unchanged documents keep
     their chunks and vectors; edited and new ones are chunked and embedded; documents no longer
     under `paths` are dropped (kept with `add=True`). `encoder` is a loaded `SentenceEncoder`.
+    hnsw: also build an HNSW graph for approximate dense search (None: from HNSW_MIN_CHUNKS chunks
+    on, when faiss is installed).
     """
     return index_documents(read_documents(paths), encoder, out, max_tokens=max_tokens, overlap=overlap, add=add,
-                           progress=progress)
+                           hnsw=hnsw, progress=progress)
 
 
 def index_documents(docs: list[Document], encoder, out: str | Path, *, max_tokens: int = 200, overlap: int = 40,
-                    add: bool = False, progress: bool = True) -> tuple[RagIndex, dict[str, int]]:
+                    add: bool = False, hnsw: bool | None = None,
+                    progress: bool = True) -> tuple[RagIndex, dict[str, int]]:
     """`build_index` over documents already in memory (e.g. an evaluation set's paragraphs)."""
     settings = {"encoder": str(encoder.path), "dimensions": encoder.dimensions, "max_tokens": max_tokens,
                 "overlap": overlap}
@@ -230,6 +270,10 @@ def index_documents(docs: list[Document], encoder, out: str | Path, *, max_token
     parts = [next(embedded) if isinstance(block, int) else block for block in blocks]
     matrix = np.concatenate(parts) if parts else np.zeros((0, encoder.dimensions), np.float32)
     index = RagIndex(chunks, matrix.astype(np.float32), settings, documents)
+    if hnsw is None:
+        hnsw = len(chunks) >= HNSW_MIN_CHUNKS and importlib.util.find_spec("faiss") is not None
+    if hnsw and chunks:
+        index.build_hnsw()
     stats["documents"], stats["chunks"] = len(documents), len(chunks)
     index.save(out)
     return index, stats
