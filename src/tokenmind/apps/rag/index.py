@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from ...progress import Bars
 from .chunking import Chunk, chunk_text
@@ -113,8 +114,13 @@ class RagIndex:
             self.hnsw.hnsw.efSearch = max(64, 2 * n)  # the candidate list: wider finds more of the true top n
             scores, ids = self.hnsw.search(q[None].astype(np.float32), min(n, len(self.chunks)))
             return [(int(i), float(s)) for i, s in zip(ids[0], scores[0]) if i >= 0]
-        scores = self.vectors @ q
-        top = np.argsort(-scores, kind="stable")[:n]
+        # torch's product runs on the threads the encoder just used; numpy's BLAS would wake a second pool
+        scores = (torch.from_numpy(self.vectors) @ torch.from_numpy(np.ascontiguousarray(q, np.float32))).numpy()
+        if n < len(scores):  # select the n best first: a full sort of every score costs more than the product
+            part = np.argpartition(-scores, n)[:n]
+            top = part[np.argsort(-scores[part], kind="stable")]
+        else:
+            top = np.argsort(-scores, kind="stable")
         return [(int(i), float(scores[i])) for i in top]
 
     def bm25_ranking(self, query: str, n: int) -> list[tuple[int, float]]:
