@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -411,7 +412,8 @@ def test_grammar_samples_parse_into_valid_calls(vocab, family, choice, parallel)
     import llguidance
 
     lltok, tok = vocab
-    fmt, rng = FORMATS[family], np.random.default_rng(hash((family, choice, parallel)) % 2**32)
+    # a seed that is the same in every process (hash() of a str is salted per process, which made this flaky)
+    fmt, rng = FORMATS[family], np.random.default_rng(zlib.crc32(repr((family, choice, parallel)).encode()))
     grammar = fmt.grammar(TOOLS, choice, parallel)
     counts = []
     for _ in range(4):
