@@ -398,8 +398,8 @@ def _is_json(content_type: str) -> bool:
     return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
 
 
-def load_off_main_thread(config: ServeConfig) -> tuple[Pretrained, Pretrained | None]:
-    """Load the model on a short-lived thread, so that the main thread never runs parallel tensor work.
+def load_off_main_thread(config: ServeConfig) -> tuple[Pretrained, Pretrained | None, SentenceEncoder | None]:
+    """Load the models on a short-lived thread, so that the main thread never runs parallel tensor work.
 
     The engine computes on its own thread. Weight loading on the main thread would leave that
     thread's OpenMP team alive beside the engine's; with more OpenMP threads than cores, libgomp
@@ -410,7 +410,13 @@ def load_off_main_thread(config: ServeConfig) -> tuple[Pretrained, Pretrained | 
         return pool.submit(_load_models, config).result()
 
 
-def _load_models(config: ServeConfig) -> tuple[Pretrained, Pretrained | None]:
+def _load_models(config: ServeConfig) -> tuple[Pretrained, Pretrained | None, SentenceEncoder | None]:
+    """The model, the draft model `--speculative MODEL` names, and the `--embedding-model` encoder."""
+    encoder = None if config.embedding_model is None else load_encoder(config.embedding_model)
+    return (*_load_chat_models(config), encoder)
+
+
+def _load_chat_models(config: ServeConfig) -> tuple[Pretrained, Pretrained | None]:
     """The model, and the draft model `--speculative MODEL` names (same dtype and quantization)."""
     pretrained = load_model(config.model, dtype=config.dtype, quantize=config.quantization)
     if config.speculative in (None, "ngram"):
@@ -421,10 +427,6 @@ def _load_models(config: ServeConfig) -> tuple[Pretrained, Pretrained | None]:
                          f"is not the model's ({pretrained.tokenizer.vocab_size}); a draft model must share the "
                          "tokenizer")
     return pretrained, draft
-
-
-def _load_encoder(config: ServeConfig) -> SentenceEncoder | None:
-    return None if config.embedding_model is None else load_encoder(config.embedding_model)
 
 
 def attach_adapters(pretrained: Pretrained, adapters: dict[str, str]) -> None:
@@ -443,11 +445,13 @@ def build_app(config: ServeConfig, pretrained: Pretrained | None = None) -> Fast
 
     The engine (and its KV cache) is created when the app starts serving and freed when it stops.
     """
-    draft = None
     if pretrained is None:
-        pretrained, draft = load_off_main_thread(config)
+        pretrained, draft, encoder = load_off_main_thread(config)
+    else:
+        draft = None
+        encoder = None if config.embedding_model is None else load_encoder(config.embedding_model)
     attach_adapters(pretrained, config.lora)
-    service = Service(config, pretrained, draft, _load_encoder(config))
+    service = Service(config, pretrained, draft, encoder)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
