@@ -1,0 +1,81 @@
+"""Sentence embedding throughput: tokenmind's encoder vs `transformers` on the same weights, texts and batches.
+
+Both sides embed the same texts (SQuAD questions and paragraphs from `tokenmind data fetch squad`,
+so lengths vary as in retrieval) with all-MiniLM-L6-v2, batches of `--batch` texts sorted by
+length (as sentence-transformers batches them), mean pooling and normalisation; `transformers`
+uses its own tokenizer and `BertModel`. Repeats alternate sides; medians are reported, with the
+cosine between the two sides' vectors as the check that they compute the same thing. Prints JSON.
+
+    python benchmarks/bench_embed.py [--texts 1000] [--batch 32] [--dtype float32|bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import emit, machine_info  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", default="data/eval/squad.jsonl")
+    ap.add_argument("--texts", type=int, default=1000)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="both sides")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    import transformers
+
+    from tokenmind.model.encoder import load_encoder, mean_pool
+
+    rows = [json.loads(line) for line in Path(args.data).read_text().splitlines()]
+    texts = [t for r in rows for t in (r["question"], r["context"])][:args.texts]
+    dtype = getattr(torch, args.dtype)
+    ours = load_encoder("minilm", dtype=dtype)
+    hf = transformers.AutoModel.from_pretrained(str(ours.path), dtype=dtype).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(str(ours.path))
+
+    def run_ours() -> torch.Tensor:
+        return ours.embed(texts, batch_size=args.batch)
+
+    def run_theirs() -> torch.Tensor:
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        out = []
+        with torch.inference_mode():
+            for s in range(0, len(order), args.batch):
+                batch = tok([texts[i] for i in order[s:s + args.batch]], padding=True, truncation=True,
+                            max_length=ours.max_seq_length, return_tensors="pt")
+                hidden = hf(**batch).last_hidden_state.float()
+                out.append(F.normalize(mean_pool(hidden, batch["attention_mask"], normalize=False), dim=-1))
+        vectors = torch.cat(out)
+        return vectors[torch.argsort(torch.tensor(order))]
+
+    a, b = run_ours(), run_theirs()  # warm-up, and the agreement check
+    cosine = (a * b).sum(-1)
+    times: dict[str, list[float]] = {"tokenmind": [], "transformers": []}
+    for _ in range(args.repeats):
+        for name, fn in (("tokenmind", run_ours), ("transformers", run_theirs)):
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    rate = {k: round(len(texts) / statistics.median(v), 1) for k, v in times.items()}
+    result = {"benchmark": "embed", "model": "all-MiniLM-L6-v2", "dtype": args.dtype, "texts": len(texts),
+              "batch": args.batch, "machine": machine_info(threads=torch.get_num_threads()),
+              "texts_per_s": rate, "ratio": round(rate["tokenmind"] / rate["transformers"], 2),
+              "cosine_min": round(float(cosine.min()), 6)}
+    emit(result, args.out)
+    return result
+
+
+if __name__ == "__main__":
+    main()
