@@ -146,6 +146,9 @@ def test_dense_bm25_and_hybrid_search_rank_as_defined(tmp_path, tiny_encoder):
             [(h.id, round(h.score, 5)) for h in index.search(query, 3, mode)]
     with pytest.raises(ValueError, match="unknown retrieval mode 'sparse'"):
         index.search(query, mode="sparse")
+    from tokenmind.cli import RAG_MODES
+
+    assert RAG_MODES == index_module.MODES  # the CLI's --mode choices
 
 
 def test_reindexing_embeds_only_what_changed(tmp_path, tiny_encoder, monkeypatch):

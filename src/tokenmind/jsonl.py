@@ -1,5 +1,6 @@
 """JSON Lines files, read whole and written atomically (a temp file renamed into place), so a
-crash never leaves half a file where a finished one is expected."""
+crash never leaves half a file where a finished one is expected; and the optional JSON config
+files that model folders carry."""
 
 from __future__ import annotations
 
@@ -66,3 +67,8 @@ def write_jsonl(path: str | Path, records: Iterable[dict[str, Any]]) -> int:
             fh.write(json.dumps(r, ensure_ascii=False) + "\n")
             n += 1
     return n
+
+
+def read_json_or_empty(path: Path) -> dict:
+    """A JSON file's object, or {} when the file is absent (a model folder's optional configs)."""
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}

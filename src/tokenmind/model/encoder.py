@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..jsonl import read_json_or_empty
 from ..tokenizer import Tokenizer
 from .attention import scaled_dot_product
 
@@ -230,13 +231,13 @@ def load_encoder(ref: str | Path, dtype: torch.dtype = torch.float32) -> Sentenc
         raise ValueError(f"{path}: the checkpoint does not match config.json (missing {missing[:3]}, unexpected "
                          f"{unexpected[:3]}, wrong shape {wrong[:3]})")
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
-    pooling = _read_json(path / "1_Pooling" / "config.json")
+    pooling = read_json_or_empty(path / "1_Pooling" / "config.json")
     if pooling and not pooling.get("pooling_mode_mean_tokens", False):
         raise ValueError(f"{path}: only mean pooling is supported, the model's 1_Pooling config asks for "
                          f"{[k for k, v in pooling.items() if k.startswith('pooling_mode') and v]}")
     modules = json.loads((path / "modules.json").read_text()) if (path / "modules.json").is_file() else []
     normalize = not modules or any(m.get("type", "").endswith("Normalize") for m in modules)
-    max_len = _read_json(path / "sentence_bert_config.json").get("max_seq_length", cfg.max_position_embeddings)
+    max_len = read_json_or_empty(path / "sentence_bert_config.json").get("max_seq_length", cfg.max_position_embeddings)
     tokenizer = Tokenizer.from_pretrained(path)
     # sentence-transformers' tokenizer.json pads every text to 128 and truncates there: batching and
     # truncation (at max_seq_length) are done here instead
@@ -244,6 +245,3 @@ def load_encoder(ref: str | Path, dtype: torch.dtype = torch.float32) -> Sentenc
     tokenizer.backend.no_truncation()
     return SentenceEncoder(model.eval(), tokenizer, path, min(max_len, cfg.max_position_embeddings), normalize)
 
-
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}

@@ -16,6 +16,7 @@ from typing import Any
 from tokenizers import Tokenizer as Backend
 from tokenizers import processors
 
+from tokenmind.jsonl import read_json_or_empty
 from tokenmind.tokenizer.chat_template import ChatTemplateError, render_chat, render_template
 from tokenmind.tokenizer.gguf_backend import GGUFTokenizer, build_backend
 from tokenmind.tokenizer.streaming import StreamDecoder
@@ -101,17 +102,17 @@ class Tokenizer:
         if not (path / "tokenizer.json").is_file():
             raise FileNotFoundError(f"{path} is not a directory with a tokenizer.json (for a .gguf file or an "
                                     "alias use tokenmind.model.load.load_tokenizer)")
-        config = _read_json(path / "tokenizer_config.json")
-        for name, value in _read_json(path / "special_tokens_map.json").items():
+        config = read_json_or_empty(path / "tokenizer_config.json")
+        for name, value in read_json_or_empty(path / "special_tokens_map.json").items():
             if name in _SPECIAL_NAMES and config.get(name) is None:
                 config[name] = value
         if (path / "chat_template.jinja").is_file():
             config["chat_template"] = (path / "chat_template.jinja").read_text(encoding="utf-8")
         elif (path / "chat_template.json").is_file():
-            config["chat_template"] = _read_json(path / "chat_template.json")["chat_template"]
+            config["chat_template"] = read_json_or_empty(path / "chat_template.json")["chat_template"]
         stop_ids = set()
         for name in ("generation_config.json", "config.json"):
-            eos = _read_json(path / name).get("eos_token_id")
+            eos = read_json_or_empty(path / name).get("eos_token_id")
             stop_ids.update([eos] if isinstance(eos, int) else eos or [])
         return cls.from_file(path / "tokenizer.json", config, extra_eos_token_ids=stop_ids)
 
@@ -274,6 +275,3 @@ def _token_text(value: Any) -> str | None:
     """A special token from a config: a plain string or a serialized `AddedToken` dict."""
     return value.get("content") if isinstance(value, Mapping) else value
 
-
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
