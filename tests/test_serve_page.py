@@ -68,8 +68,9 @@ def test_chat_page_streams_stops_and_keeps_the_conversation(browser):
         assert sent["max_tokens"] == 8 and sent["temperature"] == 0 and sent["stream"] is True
         page.wait_for_function("document.querySelectorAll('.message.assistant')[1].dataset.finish === 'length'")
         assert page.locator(".message").count() == 4
-        assert len(page.locator(".message.assistant").nth(1).inner_text()) == 8
-        assert "8 tokens" in page.inner_text("#status")
+        assert "8 tokens" in page.inner_text("#status")  # max_tokens held: 8 tokens arrived
+        # (the tiny model's 8 random characters render as markdown, which may eat a `*` or a space)
+        assert 1 <= len(page.locator(".message.assistant").nth(1).inner_text()) <= 8
         page.close()
 
 
