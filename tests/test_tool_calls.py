@@ -63,6 +63,14 @@ PARSE_CASES = [
     (HERMES, ' {"name": "a", "arguments": {}}\n{"name": "b", "arguments": {"x": [1]}} ', None,
      [("a", {}), ("b", {"x": [1]})]),
     (HERMES, '<tool_call>\n{"name": "f", "arguments": "{\\"a\\": 1}"}\n</tool_call>', None, [("f", {"a": 1})]),
+    (HERMES, '```json\n{"name": "f", "arguments": {"a": 1}}\n```', None, [("f", {"a": 1})]),  # Qwen2.5-Coder-0.5B
+    (HERMES, ' ```\n{"name": "f", "arguments": {}}\n{"name": "g", "arguments": {}}```\nDone.', "Done.",
+     [("f", {}), ("g", {})]),
+    (HERMES, '```python\nprint({"name": "f", "arguments": {}})\n```', '```python\nprint({"name": "f", "arguments": '
+     '{}})\n```', []),
+    (HERMES, '```json\n{"a": 1}\n```', '```json\n{"a": 1}\n```', []),
+    (HERMES, '```json\n{"name": "f", "arguments": {}}', '```json\n{"name": "f", "arguments": {}}', []),  # unclosed
+    (HERMES, "`x` is a name", "`x` is a name", []),
     (HERMES, 'Before\n<tool_call>\n{"name": "f", "arguments": {"a": 1}\n</tool_call>\nafter',  # missing brace
      'Before\n<tool_call>\n{"name": "f", "arguments": {"a": 1}\n</tool_call>\nafter', []),
     (HERMES, '<tool_call>\n{"name": "f", "arguments": [1]}\n</tool_call>',

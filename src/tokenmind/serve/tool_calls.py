@@ -6,7 +6,7 @@ A model calls tools in the markup its template taught it, so each family is one 
 - `hermes` (Qwen2.5, Hermes, templates with `<tool_call>`): calls are
   `<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`, one or more, content may precede
   them. Qwen2.5-Coder sometimes answers with bare `{"name": ..., "arguments": ...}` objects as the
-  whole reply; that is read as calls too.
+  whole reply, or opens it with them in a ```json code block; both are read as calls too.
 - `json` (Llama 3.x and other templates that take `tools` without `<tool_call>`): the whole reply is
   `{"name": "f", "parameters": {...}}` ("arguments" also read), or a JSON list of such objects.
 - `generic` (templates with no tool support, e.g. SmolLM2's ChatML): the tools and this reply format
@@ -390,7 +390,15 @@ class HermesFormat(ToolFormat):
             start = _skip(text, 0, _WS)
             if start == len(text) and not final:
                 return events
-            if text.startswith("{", start):
+            if text.startswith("`", start):
+                fenced = self._fenced_calls(text, start, final)
+                if fenced is _MAYBE:
+                    return events
+                if fenced:
+                    calls, scan.pos = fenced
+                    events.append(calls)
+                scan.mode = "tags"
+            elif text.startswith("{", start):
                 calls = _json_calls(text, start, lists=False, final=final)
                 if calls is _MAYBE:
                     return events
@@ -419,6 +427,23 @@ class HermesFormat(ToolFormat):
             events.append(_json_calls(text[i + len(self.OPEN):j], 0, lists=False, final=True) or text[i:end])
             scan.pos = end
         return events
+
+    @staticmethod
+    def _fenced_calls(text: str, start: int, final: bool):
+        """Call objects in a ```json code block opening the reply (Qwen2.5-Coder-0.5B writes its calls so):
+        (calls, the position after the block); None if the reply does not open so; _MAYBE if only more
+        text can tell."""
+        newline = text.find("\n", start)
+        if newline < 0:
+            return None if final else _MAYBE
+        if not text.startswith("```", start) or text[start + 3:newline].strip().lower() not in ("", "json"):
+            return None
+        close = text.find("```", newline + 1)
+        if close < 0:
+            body = text[newline + 1:].lstrip()
+            return _MAYBE if not final and (not body or body.startswith("{")) else None
+        calls = _json_calls(text[:close], newline + 1, lists=False, final=True)
+        return (calls, close + 3) if calls else None
 
     def _start(self, parallel):
         return 'start: call ("\\n" call)*' if parallel else "start: call"
