@@ -1,10 +1,13 @@
-"""Sentence embedding throughput: tokenmind's encoder vs `transformers` on the same weights, texts and batches.
+"""Sentence embedding throughput: tokenmind's encoder vs `transformers` (and `sentence-transformers`,
+when installed) on the same weights, texts and batches.
 
-Both sides embed the same texts (SQuAD questions and paragraphs from `tokenmind data fetch squad`,
+All sides embed the same texts (SQuAD questions and paragraphs from `tokenmind data fetch squad`,
 so lengths vary as in retrieval) with all-MiniLM-L6-v2, batches of `--batch` texts sorted by
 length (as sentence-transformers batches them), mean pooling and normalisation; `transformers`
-uses its own tokenizer and `BertModel`. Repeats alternate sides; medians are reported, with the
-cosine between the two sides' vectors as the check that they compute the same thing. Prints JSON.
+uses its own tokenizer and `BertModel`; `sentence-transformers` (the library people embed with:
+`pip install sentence-transformers==6.2.0` in the benchmark's environment) runs its own `encode`.
+Repeats alternate sides; medians are reported, with the cosine between each peer's vectors and
+tokenmind's as the check that they compute the same thing. Prints JSON.
 
     python benchmarks/bench_embed.py [--texts 1000] [--batch 32] [--dtype float32|bfloat16]
 """
@@ -12,7 +15,6 @@ cosine between the two sides' vectors as the check that they compute the same th
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -36,14 +38,21 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     import transformers
 
+    from tokenmind.jsonl import read_jsonl
     from tokenmind.model.encoder import load_encoder, mean_pool
 
-    rows = [json.loads(line) for line in Path(args.data).read_text().splitlines()]
+    rows = read_jsonl(args.data)
     texts = [t for r in rows for t in (r["question"], r["context"])][:args.texts]
     dtype = getattr(torch, args.dtype)
     ours = load_encoder("minilm", dtype=dtype)
     hf = transformers.AutoModel.from_pretrained(str(ours.path), dtype=dtype).eval()
     tok = transformers.AutoTokenizer.from_pretrained(str(ours.path))
+    try:
+        from sentence_transformers import SentenceTransformer
+    except ImportError:
+        st = None
+    else:
+        st = SentenceTransformer(str(ours.path), device="cpu").to(dtype).eval()
 
     def run_ours() -> torch.Tensor:
         return ours.embed(texts, batch_size=args.batch)
@@ -60,11 +69,16 @@ def main(argv: list[str] | None = None) -> dict:
         vectors = torch.cat(out)
         return vectors[torch.argsort(torch.tensor(order))]
 
-    a, b = run_ours(), run_theirs()  # warm-up, and the agreement check
-    cosine = (a * b).sum(-1)
-    times: dict[str, list[float]] = {"tokenmind": [], "transformers": []}
+    def run_st() -> torch.Tensor:
+        return st.encode(texts, batch_size=args.batch, convert_to_tensor=True, normalize_embeddings=True).float()
+
+    sides = {"tokenmind": run_ours, "transformers": run_theirs, **({"sentence-transformers": run_st} if st else {})}
+    reference = run_ours()  # warm-up, and the agreement check
+    cosine = {name: round(float((reference * fn()).sum(-1).min()), 6)
+              for name, fn in sides.items() if name != "tokenmind"}
+    times: dict[str, list[float]] = {name: [] for name in sides}
     for _ in range(args.repeats):
-        for name, fn in (("tokenmind", run_ours), ("transformers", run_theirs)):
+        for name, fn in sides.items():
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
@@ -72,7 +86,9 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"benchmark": "embed", "model": "all-MiniLM-L6-v2", "dtype": args.dtype, "texts": len(texts),
               "batch": args.batch, "machine": machine_info(threads=torch.get_num_threads()),
               "texts_per_s": rate, "ratio": round(rate["tokenmind"] / rate["transformers"], 2),
-              "cosine_min": round(float(cosine.min()), 6)}
+              **({"ratio_vs_sentence_transformers": round(rate["tokenmind"] / rate["sentence-transformers"], 2)}
+                 if st else {}),
+              "cosine_min_vs_tokenmind": cosine}
     emit(result, args.out)
     return result
 

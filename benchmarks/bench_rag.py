@@ -8,7 +8,10 @@ up to `--chunks` passages in all. Two indexes of the same vectors are built, exa
 - query latency p50 / p99 for dense exact, dense HNSW, BM25 and hybrid (each includes embedding
   the query, which BM25 does not need);
 - HNSW's recall of the exact top 10, and SQuAD recall@10 / MRR@10 with each;
-- build seconds (embedding, BM25, HNSW) and bytes of vectors, graph and BM25 on disk.
+- build seconds (embedding, BM25, HNSW), bytes of vectors, graph and BM25 on disk, and the peak
+  resident memory of the whole run (encoder, both indexes and the texts).
+
+At 100k passages the fetched text runs short of 60-word passages: `--words 40` reaches it.
 
     python benchmarks/bench_rag.py [--chunks 100000] [--out result.json]
 """
@@ -16,7 +19,7 @@ up to `--chunks` passages in all. Two indexes of the same vectors are built, exa
 from __future__ import annotations
 
 import argparse
-import json
+import resource
 import statistics
 import sys
 import tempfile
@@ -28,6 +31,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, machine_info  # noqa: E402
 
+from tokenmind.jsonl import read_jsonl  # noqa: E402
+
 
 def distractor_passages(data: Path, words_per_passage: int, limit: int) -> list[str]:
     """Passages of about `words_per_passage` words from every fetched text file, in file order."""
@@ -37,8 +42,8 @@ def distractor_passages(data: Path, words_per_passage: int, limit: int) -> list[
         if path.name == "squad.jsonl":
             continue
         words: list[str] = []
-        for line in path.read_text(encoding="utf-8").splitlines():
-            words += json.loads(line).get("text", "").split()
+        for row in read_jsonl(path):
+            words += row.get("text", "").split()
             while len(words) >= words_per_passage:
                 passages.append(" ".join(words[:words_per_passage]))
                 words = words[words_per_passage:]
@@ -72,6 +77,9 @@ def main(argv: list[str] | None = None) -> dict:
     items = load_qa(Path(args.data) / "eval" / "squad.jsonl")
     gold_docs, gold = passages(items)
     extra = distractor_passages(Path(args.data), args.words, args.chunks - len(gold_docs))
+    if len(gold_docs) + len(extra) < args.chunks:
+        print(f"the fetched text gives {len(extra)} passages of {args.words} words, {len(gold_docs) + len(extra)} "
+              f"in all, short of --chunks {args.chunks}; use fewer --words", file=sys.stderr)
     docs = gold_docs + [Document(f"distractor-{i:06d}", text) for i, text in enumerate(extra)]
     encoder = load_encoder("minilm")
     questions = [i.question for i in items]
@@ -107,7 +115,8 @@ def main(argv: list[str] | None = None) -> dict:
                    for v in qvec.values()]
     result = {"benchmark": "rag", "machine": machine_info(), "chunks": len(index.chunks), "squad_paragraphs":
               len(gold_docs), "questions": len(items), "k": k, "build": build, "bytes": sizes,
-              "hnsw_recall_of_exact_top_k": round(float(np.mean(overlap)), 4), "queries": rows}
+              "hnsw_recall_of_exact_top_k": round(float(np.mean(overlap)), 4), "queries": rows,
+              "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
     emit(result, args.out)
     return result
 

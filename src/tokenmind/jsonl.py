@@ -41,6 +41,12 @@ def read_jsonl(path: str | Path, missing_ok: bool = False) -> list[dict[str, Any
         return [json.loads(line) for line in fh if line.strip()]
 
 
+def parse_jsonl(text: str) -> list[Any]:
+    """The records of JSONL text. Split at "\\n" only: str.splitlines() also splits at U+2028, U+0085
+    and \\x1c, which JSON strings may hold raw."""
+    return [json.loads(line) for line in text.split("\n") if line.strip()]
+
+
 def located_objects(paths: Iterable[str | Path]) -> Iterator[tuple[str, dict[str, Any]]]:
     """(`file:line`, object) for every non-blank line of the JSONL files, for input checks that
     name the line at fault; a line that is not a JSON object is refused so."""
@@ -67,6 +73,12 @@ def write_jsonl(path: str | Path, records: Iterable[dict[str, Any]]) -> int:
             fh.write(json.dumps(r, ensure_ascii=False) + "\n")
             n += 1
     return n
+
+
+def write_json(path: str | Path, value: Any) -> None:
+    """Write `value` as indented JSON, atomically (a report or result file)."""
+    with atomic_open(path) as fh:
+        fh.write(json.dumps(value, indent=2) + "\n")
 
 
 def read_json_or_empty(path: Path) -> dict:

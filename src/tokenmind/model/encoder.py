@@ -15,6 +15,7 @@ Module names follow the Hugging Face `BertModel` layout, so its checkpoints load
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -189,24 +190,34 @@ class SentenceEncoder:
         return [row if len(row) <= n else row[:n - 1] + row[-1:] for row in ids]
 
     @torch.inference_mode()
-    def embed_ids(self, rows: list[list[int]], batch_size: int = 32) -> torch.Tensor:
-        """(len(rows), dimensions) float32 sentence vectors of tokenized texts, in order."""
+    def embed_ids(self, rows: list[list[int]], batch_size: int = 32,
+                  progress: Callable[[int], None] | None = None) -> torch.Tensor:
+        """(len(rows), dimensions) float32 sentence vectors of tokenized texts, in order. All rows are
+        sorted by length first, so a batch holds similar lengths and little padding (give the whole
+        collection in one call, not slices); `progress` gets each batch's size as it is done.
+
+        Longest first: each batch's buffers then fit in the space the one before freed. Shortest
+        first, every batch asks for more, and glibc's heap kept growing: 1.8 GB peak for 10k
+        passages against 0.87 GB longest first (101k passages reached 9.3 GB)."""
         if not rows:
             return torch.empty(0, self.dimensions)
         out = []
-        order = sorted(range(len(rows)), key=lambda i: len(rows[i]))  # similar lengths batch with little padding
+        order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
         for start in range(0, len(order), batch_size):
             chunk = [rows[i] for i in order[start:start + batch_size]]
             width = max(len(r) for r in chunk)
             ids = torch.tensor([r + [0] * (width - len(r)) for r in chunk])
             mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in chunk])
             out.append(mean_pool(self.model(ids, mask).float(), mask, self.normalize))
+            if progress is not None:
+                progress(len(chunk))
         vectors = torch.cat(out)
         return vectors[torch.argsort(torch.tensor(order))]
 
-    def embed(self, texts: list[str], batch_size: int = 32) -> torch.Tensor:
+    def embed(self, texts: list[str], batch_size: int = 32,
+              progress: Callable[[int], None] | None = None) -> torch.Tensor:
         """(len(texts), dimensions) float32 sentence vectors, unit length for a normalising model."""
-        return self.embed_ids(self.encode_ids(list(texts)), batch_size)
+        return self.embed_ids(self.encode_ids(list(texts)), batch_size, progress)
 
 
 def load_encoder(ref: str | Path, dtype: torch.dtype = torch.float32) -> SentenceEncoder:

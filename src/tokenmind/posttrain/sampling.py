@@ -26,7 +26,6 @@ Then:
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +34,7 @@ from typing import Any
 from ..engine.llm import LLM
 from ..engine.sampling import SamplingParams
 from ..model.load import Pretrained
-from ..jsonl import atomic_open, write_jsonl
+from ..jsonl import write_json, write_jsonl
 from .pairs import EvalFilter, as_messages, preference_pair, unpaired
 from .rewards import item_fields, load_scorer, score
 from .sft import load_sft_config, sft
@@ -167,8 +166,7 @@ def rejection_sample(llm: LLM, items: Sequence[Item], scorer: Any, out_dir: str 
         "pairs": write_jsonl(out / "pairs.jsonl", pairs), "unpaired": write_jsonl(out / "unpaired.jsonl", singles),
     }
     write_jsonl(out / "sft.jsonl", chats)
-    with atomic_open(out / "report.json") as fh:
-        fh.write(json.dumps(report, indent=2) + "\n")
+    write_json(out / "report.json", report)
     return report
 
 

@@ -92,11 +92,12 @@ class Answer:
         return [(n, self.hits[n - 1]) for n in self.citations.cited]
 
 
-def ask(llm, index: RagIndex, question: str, params, k: int = 4, mode: str = "hybrid") -> tuple[Answer,
-                                                                                                  Iterator[str]]:
+def ask(llm, index: RagIndex, question: str, params, k: int = 4, mode: str = "hybrid",
+        **search_options) -> tuple[Answer, Iterator[str]]:
     """Retrieve `k` passages and stream a grounded reply from `llm` (an `LLM` over a chat model).
-    Returns the answer record and the stream of reply text (citations already checked)."""
-    hits = index.search(question, k, mode)
+    Returns the answer record and the stream of reply text (citations already checked).
+    `search_options`: `RagIndex.search`'s rerank, mmr and candidates."""
+    hits = index.search(question, k, mode, **search_options)
     if not hits:
         raise ValueError("the index is empty: add documents with `tokenmind rag index`")
     record = Answer(hits, CitationFilter(len(hits)))

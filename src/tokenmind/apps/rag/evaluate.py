@@ -1,9 +1,21 @@
 """Measure retrieval and grounded answering on a question set whose gold passage is known.
 
 Retrieval: recall@k (the gold paragraph is among the top k chunks) and MRR@k (mean of 1 / its
-rank), per mode, with query latency. Answering (with a chat model): SQuAD's exact match and token
+rank), per mode, with query latency; with a reranker also "hybrid+rerank" (the chat model judges
+the top CANDIDATES hybrid chunks). Answering (with a chat model): SQuAD's exact match and token
 F1 against every gold answer, closed-book (the question alone) and with the top passages retrieved.
-The data is `tokenmind data fetch squad` (1,000 SQuAD questions over 803 paragraphs).
+
+Two question sets:
+
+* SQuAD (`tokenmind data fetch squad`): 1,000 questions over 803 paragraphs; the index holds the
+  paragraphs, and a chunk is a hit when it comes from the question's own paragraph.
+* The Python FAQ over the Python docs (`tokenmind data fetch python-faq python-doc`): each FAQ
+  entry's question is asked, and its answer, indexed as a document of its own without the question
+  over it, is the gold passage; the rest of the Python documentation (`--corpus`) is indexed beside
+  the answers. The FAQ pages themselves are left out of that corpus (`distractors`): they hold the
+  same answers under their questions, so a copy of the gold passage would sit in the index and, when
+  found first, count as a miss. An answer that another page also gives counts as a miss as well, so
+  the figures are a lower bound.
 """
 
 from __future__ import annotations
@@ -17,8 +29,9 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from ...progress import Bars
 from .documents import Document
-from .index import MODES, RagIndex
+from .index import CANDIDATES, MODES, RagIndex
 
 SHORT_ANSWER = "Answer with a short phrase only, no sentence."
 
@@ -32,15 +45,24 @@ class QAItem:
 
 
 def load_qa(path: str | Path) -> list[QAItem]:
-    """Question-answer items from JSONL with `question`, `answers` and `context` (the gold passage)."""
+    """Question-answer items from JSONL with `question`, `answers` and `context` (the gold passage),
+    or single-turn chats (`messages`, as the Python FAQ comes): the user's question, and the
+    assistant's reply as both the answer and the gold passage."""
     items = []
-    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+    with open(path, encoding="utf-8") as lines:  # not splitlines(): a text may hold U+2028
+        numbered = list(enumerate(lines, start=1))
+    for n, line in numbered:
         if line.strip():
             r = json.loads(line)
             try:
+                if "messages" in r:
+                    turns = {m["role"]: m["content"] for m in r["messages"]}
+                    r = {"id": r.get("id", n), "question": turns["user"], "answers": [turns["assistant"]],
+                         "context": turns["assistant"]}
                 items.append(QAItem(str(r.get("id", n)), r["question"], list(r["answers"]), r["context"]))
             except KeyError as e:
-                raise ValueError(f"{path}:{n}: a QA item needs question, answers and context (missing {e})") from e
+                raise ValueError(f"{path}:{n}: a QA item needs question, answers and context, or messages with a "
+                                 f"user and an assistant turn (missing {e})") from e
     return items
 
 
@@ -52,24 +74,52 @@ def passages(items: list[QAItem]) -> tuple[list[Document], dict[str, str]]:
     return [Document(name, text) for text, name in names.items()], {i.id: names[i.context] for i in items}
 
 
+def distractors(corpus: list[Document], gold: list[Document]) -> tuple[list[Document], list[Document]]:
+    """(kept, left out): the corpus documents to index beside the gold passages, leaving out every
+    one that contains a gold passage (whitespace aside), which would be a second copy of it."""
+    passages = [" ".join(d.text.split()) for d in gold]
+    kept, dropped = [], []
+    for doc in corpus:
+        text = " ".join(doc.text.split())
+        (dropped if any(p in text for p in passages) else kept).append(doc)
+    return kept, dropped
+
+
+def spread(items: list[QAItem], n: int | None) -> list[QAItem]:
+    """n items spread evenly over the set (every len/n-th), so a subset covers all of it; None: all."""
+    if n is None or n >= len(items):
+        return items
+    return [items[i * len(items) // n] for i in range(n)]
+
+
 def retrieval_metrics(index: RagIndex, items: list[QAItem], gold: dict[str, str], k: int = 10,
-                      modes: tuple[str, ...] = MODES) -> dict[str, dict[str, float]]:
-    """Per mode: recall@1/5/k, MRR@k, and query latency p50/p99 in milliseconds."""
+                      modes: tuple[str, ...] = MODES, reranker=None, candidates: int = CANDIDATES,
+                      progress: bool = False) -> dict[str, dict[str, float]]:
+    """Per mode: recall@1/5/k, MRR@k, and query latency p50/p99 in milliseconds. With `reranker`
+    (an `LLMReranker`) also "hybrid+rerank": the top `candidates` hybrid chunks reranked by it."""
+    runs = {mode: {"mode": mode} for mode in modes}
+    if reranker is not None:
+        runs["hybrid+rerank"] = {"mode": "hybrid", "rerank": reranker, "candidates": candidates}
     out = {}
-    for mode in modes:
-        ranks, latency = [], []
-        for item in items:
-            t0 = time.perf_counter()
-            hits = index.search(item.question, k, mode)
-            latency.append((time.perf_counter() - t0) * 1000)
-            sources = [h.chunk.source for h in hits]
-            ranks.append(sources.index(gold[item.id]) + 1 if gold[item.id] in sources else None)
-        row = {f"recall@{n}": sum(r is not None and r <= n for r in ranks) / len(items) for n in sorted({1, 5, k})}
-        row[f"mrr@{k}"] = sum(1 / r for r in ranks if r) / len(items)
-        latency.sort()
-        row["p50_ms"], row["p99_ms"] = statistics.median(latency), latency[min(len(latency) - 1,
-                                                                                int(0.99 * len(latency)))]
-        out[mode] = {key: round(v, 4) for key, v in row.items()}
+    with Bars(progress) as bars:
+        for name, options in runs.items():
+            advance = bars.add(name, total=len(items))
+            ranks, latency = [], []
+            for item in items:
+                t0 = time.perf_counter()
+                hits = index.search(item.question, k, **options)
+                latency.append((time.perf_counter() - t0) * 1000)
+                sources = [h.chunk.source for h in hits]
+                ranks.append(sources.index(gold[item.id]) + 1 if gold[item.id] in sources else None)
+                if advance is not None:
+                    advance()
+            row = {f"recall@{n}": sum(r is not None and r <= n for r in ranks) / len(items)
+                   for n in sorted({1, 5, k})}
+            row[f"mrr@{k}"] = sum(1 / r for r in ranks if r) / len(items)
+            latency.sort()
+            row["p50_ms"], row["p99_ms"] = statistics.median(latency), latency[min(len(latency) - 1,
+                                                                                    int(0.99 * len(latency)))]
+            out[name] = {key: round(v, 4) for key, v in row.items()}
     return out
 
 

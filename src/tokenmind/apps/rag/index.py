@@ -3,6 +3,9 @@
 Three ways to rank chunks for a query: `dense` (cosine similarity of encoder vectors),
 `bm25` (word overlap weighted by rarity, `bm25s`), and `hybrid` — the two lists merged by
 reciprocal rank fusion, which needs no score calibration between them (Cormack et al. 2009).
+Two optional stages act on the first `candidates` chunks of a mode: a reranker (`rerank.py`: the
+chat model judges each passage against the question) re-scores them, and maximal marginal
+relevance picks the k returned so that they are relevant but not near copies of one another.
 
 Dense search is exact below HNSW_MIN_CHUNKS chunks; above, an HNSW graph (faiss) answers in
 about a millisecond at the price of sometimes missing a true neighbour (`benchmarks/bench_rag.py`
@@ -27,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ...jsonl import read_jsonl
 from ...progress import Bars
 from .chunking import Chunk, chunk_text
 from .documents import Document, read_documents
@@ -36,12 +40,13 @@ MODES = ("dense", "bm25", "hybrid")
 RRF_K = 60  # the usual damping constant of reciprocal rank fusion
 HNSW_MIN_CHUNKS = 20_000  # below this, exact search (one matrix-vector product) is as fast and never misses
 HNSW_NEIGHBOURS, HNSW_EF_CONSTRUCTION = 32, 80
+CANDIDATES = 20  # first-stage chunks a reranker or MMR chooses from
 
 
 @dataclass(frozen=True)
 class Hit:
     chunk: Chunk
-    score: float  # cosine (dense), BM25 score (bm25) or fused score (hybrid)
+    score: float  # cosine (dense), BM25 score (bm25), fused score (hybrid) or a reranker's log-odds
     id: int  # the chunk's row in the index
 
 
@@ -52,6 +57,29 @@ def reciprocal_rank_fusion(rankings: list[list[int]], k: int = RRF_K) -> list[tu
         for rank, item in enumerate(ranking, start=1):
             scores[item] = scores.get(item, 0.0) + 1.0 / (k + rank)
     return sorted(scores.items(), key=lambda kv: (-kv[1], kv[0]))
+
+
+def maximal_marginal_relevance(scores: np.ndarray, vectors: np.ndarray, k: int, lam: float) -> list[int]:
+    """Which k of the candidates to return, in the order maximal marginal relevance picks them
+    (Carbonell & Goldstein 1998): each pick maximises λ · relevance − (1 − λ) · its highest cosine
+    to a candidate already picked. `scores` may be on any scale (cosine, BM25, fused, log-odds): they
+    are rescaled to [0, 1] over the candidates, so λ weighs them against cosines. `vectors` are the
+    candidates' unit vectors. λ = 1 keeps the relevance order; lower λ trades relevance for diversity."""
+    if not 0 <= lam <= 1:
+        raise ValueError(f"the MMR lambda must be in [0, 1] (1 = relevance only); got {lam}")
+    if len(scores) == 0:
+        return []
+    spread = scores.max() - scores.min()
+    relevance = (scores - scores.min()) / spread if spread > 0 else np.ones(len(scores))
+    similarity = vectors @ vectors.T
+    redundancy = np.zeros(len(scores))  # each candidate's highest cosine to the picked ones
+    left, picked = list(range(len(scores))), []
+    while left and len(picked) < k:
+        gain = lam * relevance[left] - (1 - lam) * redundancy[left]
+        best = left.pop(int(np.argmax(gain)))  # ties: the earlier candidate
+        picked.append(best)
+        redundancy = np.maximum(redundancy, similarity[best])
+    return picked
 
 
 def _bm25_tokens(texts: list[str]) -> list[list[str]]:
@@ -130,21 +158,35 @@ class RagIndex:
         ids, scores = self.bm25.retrieve(words, k=min(n, len(self.chunks)), show_progress=False)
         return [(int(i), float(s)) for i, s in zip(ids[0], scores[0]) if s > 0]  # no shared word: no hit
 
-    def search(self, query: str, k: int = 5, mode: str = "hybrid") -> list[Hit]:
-        """The k best chunks for `query`, best first."""
+    def search(self, query: str, k: int = 5, mode: str = "hybrid", *, rerank=None, mmr: float | None = None,
+               candidates: int = CANDIDATES) -> list[Hit]:
+        """The k best chunks for `query`, best first.
+
+        rerank: an `LLMReranker` (anything with `rerank(query, hits, k)`), which re-scores the first
+        `candidates` chunks of `mode`. mmr: λ of maximal marginal relevance, which then picks the k
+        from those candidates, passing over near copies of chunks already picked (None: off).
+        """
         if mode not in MODES:
             raise ValueError(f"unknown retrieval mode {mode!r}; choose one of {', '.join(MODES)}")
         if not self.chunks or k < 1:
             return []
+        n = max(k, candidates) if rerank is not None or mmr is not None else k
         if mode == "dense":
-            ranked = self.dense_ranking(query, k)
+            ranked = self.dense_ranking(query, n)
         elif mode == "bm25":
-            ranked = self.bm25_ranking(query, k)
-        else:  # each list deeper than k, so a chunk second-best in both can still win
-            depth = max(4 * k, 20)
+            ranked = self.bm25_ranking(query, n)
+        else:  # each list deeper than n, so a chunk second-best in both can still win
+            depth = max(4 * n, 20)
             lists = [[i for i, _ in self.dense_ranking(query, depth)], [i for i, _ in self.bm25_ranking(query, depth)]]
-            ranked = reciprocal_rank_fusion(lists)[:k]
-        return [Hit(self.chunks[i], score, i) for i, score in ranked]
+            ranked = reciprocal_rank_fusion(lists)[:n]
+        hits = [Hit(self.chunks[i], score, i) for i, score in ranked]
+        if rerank is not None:
+            hits = rerank.rerank(query, hits, len(hits))
+        if mmr is not None:
+            order = maximal_marginal_relevance(np.array([h.score for h in hits]),
+                                               self.vectors[[h.id for h in hits]], k, mmr)
+            hits = [hits[i] for i in order]
+        return hits[:k]
 
     # ----------------------------------------------------------------- files
 
@@ -191,7 +233,7 @@ class RagIndex:
         if meta.get("format") != FORMAT or meta.get("version") != VERSION:
             raise ValueError(f"{path}: index format {meta.get('format')} v{meta.get('version')}, this tokenmind "
                              f"reads {FORMAT} v{VERSION}; rebuild it")
-        chunks = [Chunk(**json.loads(line)) for line in (path / "chunks.jsonl").read_text("utf-8").splitlines()]
+        chunks = [Chunk(**row) for row in read_jsonl(path / "chunks.jsonl")]  # not splitlines(): texts hold U+2028
         vectors = np.load(path / "vectors.npy")
         bm25 = None
         if chunks:
@@ -286,15 +328,10 @@ def index_documents(docs: list[Document], encoder, out: str | Path, *, max_token
 
 
 def _embed(encoder, chunks: list[Chunk], progress: bool, batch: int = 64) -> np.ndarray:
-    """Unit vectors of the chunks, in batches, with a progress bar."""
+    """Unit vectors of the chunks, with a progress bar; one call, so batches group similar lengths
+    across the whole collection."""
     if not chunks:
         return np.zeros((0, encoder.dimensions), np.float32)
-    out = []
     with Bars(progress) as bars:
         advance = bars.add("embedding", total=len(chunks))
-        for start in range(0, len(chunks), batch):
-            part = chunks[start:start + batch]
-            out.append(encoder.embed([c.for_embedding for c in part], batch_size=batch).numpy())
-            if advance is not None:
-                advance(len(part))
-    return np.concatenate(out)
+        return encoder.embed([c.for_embedding for c in chunks], batch_size=batch, progress=advance).numpy()

