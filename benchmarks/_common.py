@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from tokenmind.model.cpu import cpu_flags
+
 HERE = Path(__file__).resolve().parent
 PEER_VENV = HERE / ".venv-peers"
 PEER_PYTHON = PEER_VENV / "bin" / "python"
@@ -38,8 +40,8 @@ def timed_call(fn):
 
 def machine_info(**extra) -> dict:
     """The facts a reader needs to judge a number: CPU model and the ISA that matters, cores, threads, load."""
-    info = {"cpu": cpu_model(), "isa": [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-                                         if f in cpu_flags()],
+    info = {"cpu": cpu_model(), "isa": [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16",
+                                                    "amx_tile") if f in cpu_flags()],
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
             "python": platform.python_version(), "torch": torch.__version__,
             "loadavg_1m": round(os.getloadavg()[0], 2)}
@@ -59,10 +61,6 @@ def _cpuinfo(key: str) -> str:
 
 def cpu_model() -> str:
     return _cpuinfo("model name")
-
-
-def cpu_flags() -> set[str]:
-    return set(_cpuinfo("flags").split())
 
 
 def free_port() -> int:

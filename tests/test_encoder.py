@@ -127,3 +127,23 @@ def test_all_minilm_l6_v2_equals_transformers_with_mean_pooling():
     assert torch.allclose(got.norm(dim=-1), torch.ones(len(texts)), atol=1e-5)
     sims = got[:3] @ got[:3].T  # paraphrases close, unrelated far
     assert sims[0, 1] > 0.7 and abs(float(sims[0, 2])) < 0.2
+
+
+@needs_minilm
+def test_the_int8_encoder_stays_close_to_float32_and_keeps_the_neighbours():
+    from tokenmind.model.quant import DynamicInt8Linear
+
+    fp32, int8 = load_encoder("minilm"), load_encoder("minilm", quantize="int8")
+    linears = [m for m in int8.model.modules() if isinstance(m, (torch.nn.Linear, DynamicInt8Linear))]
+    assert len(linears) == 36 and all(isinstance(m, DynamicInt8Linear) for m in linears)  # 6 layers x 6
+    assert int8.quantize == "int8" and fp32.quantize is None
+    want, got = fp32.embed(TEXTS), int8.embed(TEXTS)
+    cosine = (got * want).sum(-1)
+    assert float(cosine.min()) > 0.97 and float(cosine.mean()) > 0.98, cosine
+    assert float(cosine.min()) < 0.99999  # it did run quantized
+    sims = got[:3] @ got[:3].T  # the paraphrase is still close and the unrelated text still far
+    assert sims[0, 1] > 0.7 and abs(float(sims[0, 2])) < 0.2
+    with pytest.raises(ValueError, match="choose int8"):
+        load_encoder("minilm", quantize="int4")
+    with pytest.raises(ValueError, match="leave dtype at float32"):
+        load_encoder("minilm", dtype=torch.bfloat16, quantize="int8")

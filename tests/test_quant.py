@@ -24,11 +24,13 @@ from tokenmind.model.checkpoint import build_model
 from tokenmind.model.config import ModelConfig
 from tokenmind.model.gguf import read_gguf
 from tokenmind.model.quant import (
+    DynamicInt8Linear,
     Int4Linear,
     Int8Linear,
     QuantizedLinear,
     gguf_int4_codes,
     gguf_linear,
+    quantize_dynamic_int8,
     quantize_from_gguf,
     quantize_model,
     weight_bytes,
@@ -211,6 +213,36 @@ def test_module_follows_dtype_moves_and_state_dict():
     m.to(torch.bfloat16)
     assert m.compute_dtype == torch.bfloat16 and m.weight.dtype == torch.int8
     assert m(torch.randn(2, 64)).dtype == torch.float32
+
+
+@pytest.mark.parametrize("reduce_range", [False, True])  # 8-bit activations (AVX512-VNNI) and 7-bit ones
+def test_w8a8_linear_stays_within_its_quantization_error(reduce_range):
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 40)
+    m = DynamicInt8Linear(linear.weight, linear.bias)
+    m.reduce_range = reduce_range
+    x = torch.randn(3, 7, 96)
+    want = linear(x).detach()
+    got = m(x)
+    assert got.shape == (3, 7, 40) and got.dtype == torch.float32
+    # error of the int8 codes alone: weight steps max|w|/127 per row, activation steps range/255 (or /127)
+    rel = float((got - want).norm() / want.norm())
+    assert 1e-5 < rel < (0.03 if reduce_range else 0.015), rel  # quantized (not a float copy), yet close
+    assert m(x.bfloat16()).dtype == torch.bfloat16  # computes in float32 inside, hands back the caller's dtype
+    no_bias = DynamicInt8Linear(linear.weight)
+    no_bias.reduce_range = reduce_range
+    torch.testing.assert_close(no_bias(x) + linear.bias.detach(), got, atol=1e-4, rtol=0)
+
+
+def test_quantize_dynamic_int8_replaces_every_linear_and_keeps_the_output_close():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)).eval()
+    x = torch.randn(50, 64)
+    want = model(x).detach()
+    quantize_dynamic_int8(model)
+    assert [type(m) for m in model] == [DynamicInt8Linear, nn.GELU, DynamicInt8Linear]
+    got = model(x)
+    assert float(F.cosine_similarity(got, want, dim=-1).min()) > 0.99
 
 
 # ---- GGUF blocks -----------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from tokenmind.apps.rag import (Document, RagIndex, build_index, chunk_text, rea
 from tokenmind.apps.rag import index as index_module
 from tokenmind.cli import main
 from tokenmind.model.encoder import load_encoder
+from tokenmind.model.quant import DynamicInt8Linear
 
 
 def words(text: str) -> int:
@@ -177,6 +178,35 @@ def test_reindexing_embeds_only_what_changed(tmp_path, tiny_encoder, monkeypatch
     embedded.clear()  # other chunking settings: nothing can be reused
     build_index([docs], tiny_encoder, tmp_path / "idx", max_tokens=12, overlap=2, progress=False)
     assert len(set(embedded)) == 3
+
+
+def test_an_int8_index_embeds_its_queries_in_int8_and_a_float_rebuild_reembeds_all(tmp_path, tiny_encoder,
+                                                                                    capsys, monkeypatch):
+    docs = write_corpus(tmp_path / "docs")
+    encoder_dir = str(tiny_encoder.path)
+    assert main(["rag", "index", str(docs), "--out", str(tmp_path / "idx"), "--encoder", encoder_dir,
+                 "--encoder-int8", "--chunk-tokens", "8", "--overlap", "2"]) == 0
+    capsys.readouterr()
+    assert json.loads((tmp_path / "idx" / "meta.json").read_text())["quantize"] == "int8"
+    index = RagIndex.load(tmp_path / "idx")
+    assert index.encoder().quantize == "int8"  # queries are embedded the way the passages were
+    row = next(i for i, c in enumerate(index.chunks) if c.text.startswith("a man is eating food."))
+    alone = index.encoder().embed([index.chunks[row].for_embedding])[0].numpy()
+    # near, not equal: a batch's activations share one int8 scale, so batchmates move a vector a little
+    assert float(alone @ index.vectors[row]) > 0.97
+    assert any(isinstance(m, DynamicInt8Linear) for m in index.encoder().model.modules())
+    embedded: list[str] = []
+    real_embed = index_module._embed
+    monkeypatch.setattr(index_module, "_embed", lambda enc, chunks, progress: embedded.extend(
+        c.source for c in chunks) or real_embed(enc, chunks, progress))
+    build_index([docs], tiny_encoder, tmp_path / "idx", max_tokens=8, overlap=2, progress=False)  # float32
+    assert len(set(embedded)) == 3 and RagIndex.load(tmp_path / "idx").settings["quantize"] is None
+    meta = json.loads((tmp_path / "idx" / "meta.json").read_text())  # an index from before int8 encoders
+    del meta["quantize"]
+    (tmp_path / "idx" / "meta.json").write_text(json.dumps(meta))
+    embedded.clear()
+    build_index([docs], tiny_encoder, tmp_path / "idx", max_tokens=8, overlap=2, progress=False)
+    assert embedded == []  # read as float32: every vector reused
 
 
 def test_texts_with_unicode_line_separators_survive_the_index_and_the_qa_loader(tmp_path, tiny_encoder):

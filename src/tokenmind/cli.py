@@ -341,12 +341,25 @@ def cmd_data_synthesize(args) -> None:
 
 def cmd_rag_index(args) -> None:
     from .apps.rag import build_index
-    from .model.encoder import load_encoder
 
     t0 = time.perf_counter()
-    index, stats = build_index(args.paths, load_encoder(args.encoder), args.out, max_tokens=args.chunk_tokens,
+    index, stats = build_index(args.paths, _encoder(args), args.out, max_tokens=args.chunk_tokens,
                                overlap=args.overlap, add=args.add, hnsw=args.hnsw, progress=sys.stderr.isatty())
     print(json.dumps({"index": str(args.out), **stats, "seconds": round(time.perf_counter() - t0, 2)}))
+
+
+def _add_encoder_args(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--encoder", default="minilm", help=help)
+    p.add_argument("--encoder-int8", action="store_true",
+                   help="run the encoder's linears in int8 with int8 activations: ~1.6x faster embedding, vectors "
+                        "at cosine ~0.99 to float32's (the index remembers it; its queries embed the same way)")
+
+
+def _encoder(args):
+    """The sentence encoder that `_add_encoder_args`' flags name."""
+    from .model.encoder import load_encoder
+
+    return load_encoder(args.encoder, quantize="int8" if args.encoder_int8 else None)
 
 
 def _add_rerank_args(p: argparse.ArgumentParser) -> None:
@@ -412,7 +425,6 @@ def cmd_rag_eval(args) -> None:
 
     from .apps.rag import index_documents, read_documents
     from .apps.rag.evaluate import answer_metrics, distractors, load_qa, passages, retrieval_metrics, spread
-    from .model.encoder import load_encoder
 
     if not Path(args.data).is_file():
         raise FileNotFoundError(f"{args.data} not found; fetch SQuAD with `tokenmind data fetch squad`")
@@ -424,7 +436,7 @@ def cmd_rag_eval(args) -> None:
     reranker = _rag_reranker(args, pretrained)
     with tempfile.TemporaryDirectory() as scratch:
         t0 = time.perf_counter()
-        index, _ = index_documents(docs + corpus, load_encoder(args.encoder), args.index or Path(scratch) / "index",
+        index, _ = index_documents(docs + corpus, _encoder(args), args.index or Path(scratch) / "index",
                                    progress=sys.stderr.isatty())
         result = {"data": args.data, "questions": len(items), "passages": len(docs), "chunks": len(index.chunks),
                   "index_seconds": round(time.perf_counter() - t0, 2)}
@@ -513,7 +525,6 @@ def cmd_agent_eval(args) -> None:
     import tempfile
 
     from .apps.agents.evaluate import documents_index, evaluate_agent, load_tasks
-    from .model.encoder import load_encoder
 
     tasks = load_tasks(args.tasks, tuple(args.kinds), args.limit)
     chat = _agent_chat(args)
@@ -523,7 +534,7 @@ def cmd_agent_eval(args) -> None:
               f"{record['steps']} steps, {record['tool_calls']} calls, {record['seconds']:.1f} s", file=sys.stderr)
 
     with tempfile.TemporaryDirectory() as scratch:
-        index = documents_index(load_encoder(args.encoder), Path(scratch) / "index")
+        index = documents_index(_encoder(args), Path(scratch) / "index")
         result = evaluate_agent(chat, tasks, index, max_steps=args.max_steps, tool_choice=args.tool_choice,
                                 baseline=not args.no_baseline, transcript=args.transcript, progress=show)
     result = {"model": args.model, "url": args.url, **result}
@@ -882,7 +893,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "documents are embedded; documents no longer given are dropped (unless --add).")
     p.add_argument("paths", nargs="+", metavar="PATH", help="files or folders to index")
     p.add_argument("--out", required=True, metavar="INDEX", help="the index folder (replaced atomically)")
-    p.add_argument("--encoder", default="minilm", help="sentence encoder (default minilm: all-MiniLM-L6-v2)")
+    _add_encoder_args(p, "sentence encoder (default minilm: all-MiniLM-L6-v2)")
     p.add_argument("--chunk-tokens", type=int, default=200, help="most encoder tokens per passage (default 200)")
     p.add_argument("--overlap", type=int, default=40, help="tokens shared by neighbouring passages (default 40)")
     p.add_argument("--add", action="store_true", help="keep the documents already in the index that are not given")
@@ -926,7 +937,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "left out: a second copy of it)")
     p.add_argument("--limit", type=int, default=None, metavar="N",
                    help="ask N questions spread over the set (every passage is still indexed; default: all)")
-    p.add_argument("--encoder", default="minilm")
+    _add_encoder_args(p, "sentence encoder (default minilm: all-MiniLM-L6-v2)")
     p.add_argument("--index", default=None, help="keep the index in this folder (default: a temporary one)")
     p.add_argument("-k", type=int, default=10, help="retrieval depth for recall and MRR (default 10)")
     p.add_argument("--model", default=None, help="also score a chat model's answers (e.g. qwen2.5-coder-1.5b); "
@@ -989,7 +1000,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kinds", type=comma_list, default=["arithmetic", "lookup", "code"], metavar="KINDS",
                    help="which kinds: arithmetic, lookup, code (default all)")
     p.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N tasks of each kind")
-    p.add_argument("--encoder", default="minilm", help="the embedding model of the documents' index (default minilm)")
+    _add_encoder_args(p, "the embedding model of the documents' index (default minilm)")
     p.add_argument("--no-baseline", action="store_true",
                    help="only with tools (the run without them does not depend on --tool-choice)")
     p.add_argument("--out", metavar="JSON", help="write the full result (every task) here")

@@ -22,6 +22,7 @@ import torch
 from ..tokenizer import Tokenizer
 from .checkpoint import build_model, load_hf_dir, save_hf_dir
 from .config import ModelConfig
+from .cpu import cpu_has_native_bf16
 from .fetch import SplitGGUF, fetch_split_gguf, split_parts, unpack_model_zip
 from .lora import is_adapter_dir, load_adapter, merge_lora, read_adapter_config
 from .quant import gguf_block_tensors, quantize_from_gguf, quantize_model
@@ -151,16 +152,6 @@ def quantization_setting(value: str | None, name: str = "quantize") -> str | Non
     if value not in (*QUANTIZATIONS, AUTO):
         raise ValueError(f"{name}={value!r}: choose one of {', '.join(QUANTIZATIONS)}, {AUTO} or none")
     return value
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AVX512_BF16 or AMX): only then is bf16 faster than fp32."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        flags = next((line for line in lines if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))
 
 
 def fast_settings(path: Path, ckpt=None) -> tuple[torch.dtype, str | None]:

@@ -1,6 +1,6 @@
-"""Weight-only quantization: int8 per-channel and int4 group-wise linears on PyTorch's CPU kernels.
+"""Quantized linears on PyTorch's CPU kernels: weight-only int8 and int4 for decoding, W8A8 for encoders.
 
-Two drop-in replacements for `nn.Linear` (same `forward(x)` on any (..., in_features) input):
+Two weight-only drop-in replacements for `nn.Linear` (same `forward(x)` on any (..., in_features) input):
 
 - `Int8Linear`: symmetric per-output-channel int8, w = q · s[n], q in [-127, 127]. Runs
   `torch._weight_int8pack_mm`.
@@ -15,6 +15,9 @@ compute dtype around the kernel and back to the caller's dtype after it. They ar
 kernels: above `kernel_max_rows` rows (prefill) the layer instead dequantizes its weight to the
 compute dtype and calls `F.linear`, which runs on AMX in bf16. compute_dtype=float32 is the exact
 mode (slow): the effective weight is then reproduced bit for bit, which is what the GGUF tests use.
+
+`DynamicInt8Linear` quantizes the activations too, per call (fbgemm's dynamic linear): the int8
+arithmetic pays off when the matmul is compute-bound (many rows), as in a sentence encoder's batches.
 
 GGUF Q4_0 and Q4_1 blocks (32 weights, fp16 scale d, Q4_1 also an fp16 min m) are group-32 int4
 already: Q4_0 is w = d·(q − 8) → (s, z) = (d, 0); Q4_1 is w = d·q + m → (s, z) = (d, m + 8d).
@@ -38,6 +41,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .cpu import cpu_has_avx512_vnni
 
 SCHEMES = ("int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu accepts
@@ -296,6 +301,53 @@ def quantize_model(model: nn.Module, scheme: str = "int8", group_size: int = 32,
         _replace(model, name, q.to(linear.weight.device))
     if kept:
         warnings.warn(f"int4 needs out_features divisible by 16; kept in float: {', '.join(kept)}", stacklevel=3)
+    return model
+
+
+class DynamicInt8Linear(nn.Module):
+    """W8A8 dynamic quantization for compute-bound matmuls over many rows (an encoder's batches).
+
+    The weight is int8 per output channel, packed once for fbgemm; every call quantizes its input
+    to uint8 with one scale and zero point from the input's own min/max, multiplies in int32 and
+    returns float with the bias added (`quantized::linear_dynamic`, one fused op). Where the
+    weight-only kernels above save memory traffic at a few rows, this one halves the arithmetic's
+    width: all-MiniLM-L6-v2 embeds ~1.6x faster than fp32 on a 2-core AVX512-VNNI Xeon, its
+    vectors at cosine 0.994 (mean) to the fp32 ones. Inference only: there is no backward. One
+    scale serves all rows of a call, so a row's result moves a little with the rows beside it.
+
+    Without AVX512-VNNI fbgemm adds pairs of u8·s8 products in int16, so inputs are then quantized
+    to 7 bits (`reduce_range`) to keep the sums from saturating; with it they use all 8 (measured:
+    cosine 0.980 -> 0.994 on the encoder).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        w = weight.detach().float()
+        self.out_features, self.in_features = w.shape
+        scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny).double()
+        with warnings.catch_warnings():  # torch 2.13 (pinned) marks quantized tensor dtypes deprecated; fbgemm's
+            warnings.filterwarnings("ignore", message=".*quantized tensor creation")  # packing still needs one
+            q = torch.quantize_per_channel(w, scales, torch.zeros_like(scales, dtype=torch.long), 0, torch.qint8)
+        self.has_bias = bias is not None
+        self.packed = torch.ops.quantized.linear_prepack(q, None if bias is None else bias.detach().float())
+        self.reduce_range = not cpu_has_avx512_vnni()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = torch.ops.quantized.linear_dynamic(x.reshape(-1, self.in_features).float(), self.packed,
+                                               self.reduce_range)
+        return y.to(x.dtype).reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.has_bias}, "
+                f"reduce_range={self.reduce_range}")
+
+
+@torch.no_grad()
+def quantize_dynamic_int8(model: nn.Module) -> nn.Module:
+    """Replace every `nn.Linear` of `model` in place with a `DynamicInt8Linear`; returns `model`."""
+    for name, linear in _linears(model, quantize_lm_head=True):
+        _replace(model, name, DynamicInt8Linear(linear.weight, linear.bias))
     return model
 
 

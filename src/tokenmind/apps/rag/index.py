@@ -127,7 +127,7 @@ class RagIndex:
         if self._encoder is None:
             from ...model.encoder import load_encoder
 
-            self._encoder = load_encoder(self.settings["encoder"])
+            self._encoder = load_encoder(self.settings["encoder"], quantize=self.settings["quantize"])
         return self._encoder
 
     def dense_ranking(self, query: str, n: int, exact: bool = False) -> list[tuple[int, float]]:
@@ -245,7 +245,8 @@ class RagIndex:
             import faiss
 
             hnsw = faiss.read_index(str(path / "hnsw.faiss"))
-        settings = {k: v for k, v in meta.items() if k not in ("format", "version", "documents", "chunks")}
+        settings = {"quantize": None,  # indexes written before the int8 encoder existed
+                    **{k: v for k, v in meta.items() if k not in ("format", "version", "documents", "chunks")}}
         return cls(chunks, vectors, settings, meta["documents"], bm25, hnsw)
 
 
@@ -267,8 +268,8 @@ def index_documents(docs: list[Document], encoder, out: str | Path, *, max_token
                     add: bool = False, hnsw: bool | None = None,
                     progress: bool = True) -> tuple[RagIndex, dict[str, int]]:
     """`build_index` over documents already in memory (e.g. an evaluation set's paragraphs)."""
-    settings = {"encoder": str(encoder.path), "dimensions": encoder.dimensions, "max_tokens": max_tokens,
-                "overlap": overlap}
+    settings = {"encoder": str(encoder.path), "quantize": encoder.quantize, "dimensions": encoder.dimensions,
+                "max_tokens": max_tokens, "overlap": overlap}
     old = None
     if (Path(out) / "meta.json").is_file():
         old = RagIndex.load(out)
