@@ -23,6 +23,13 @@ CASES = {
     "mistral-window": dict(model_type="mistral", sliding_window=5),
     "qwen2-bias": dict(model_type="qwen2", qkv_bias=True),
     "qwen3-qknorm": dict(model_type="qwen3", qk_norm=True, head_dim=24),
+    "mixtral-moe": dict(model_type="mixtral", num_experts=4, num_experts_per_tok=2),
+    "qwen2-moe-shared": dict(model_type="qwen2_moe", qkv_bias=True, num_experts=6, num_experts_per_tok=3,
+                             moe_intermediate_size=32, norm_topk_prob=False, shared_expert_intermediate_size=48,
+                             mlp_only_layers=[1]),
+    "qwen3-moe-sparse-step": dict(model_type="qwen3_moe", qk_norm=True, num_experts=5, num_experts_per_tok=2,
+                                  moe_intermediate_size=40, norm_topk_prob=True, decoder_sparse_step=2,
+                                  num_hidden_layers=3),
     "rope-linear": dict(model_type="llama", rope_scaling={"rope_type": "linear", "factor": 2.0}),
     "rope-dynamic": dict(model_type="llama", max_position_embeddings=8,
                          rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
@@ -43,6 +50,8 @@ def make_pair(case: str, seed: int = 0):
         for name, p in hf.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.normal_(1.0 if "norm" in name else 0.0, 0.1)
+            elif name.endswith("mlp.gate.weight"):  # routers: spread scores, so the top-k is never a near tie
+                p.normal_(0.0, 1.0)
     ours = Transformer(cfg).eval()
     ours.load_state_dict(from_hf_state_dict(hf.state_dict()), strict=True)
     return cfg, hf, ours
@@ -65,6 +74,7 @@ def test_full_forward_matches_hf(case):
     with torch.no_grad():
         ref, got = hf(ids).logits, ours(ids)
     assert (ref - got).abs().max().item() <= TOL
+    assert cfg.num_parameters == sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in hf.parameters())
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -5,6 +5,7 @@ q/k norm, bias, sliding window, soft-capping) → residual → RMSNorm → SwiGL
 RMSNorm → LM head. Module names follow Hugging Face checkpoints, except that q/k/v and gate/up
 are each one fused matrix (`qkv_proj`, `gate_up_proj`): one matmul instead of three or two,
 which matters when decode is bound by per-op overhead. `checkpoint.py` splits and joins them.
+In a mixture-of-experts model (`cfg.num_experts`) the MLP of some or all layers is a `MoE`.
 """
 
 from __future__ import annotations
@@ -68,9 +69,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
-        d, f = cfg.hidden_size, cfg.intermediate_size
+        d, f = cfg.hidden_size, intermediate_size or cfg.intermediate_size
         self.gate_up_proj = nn.Linear(d, 2 * f, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(f, d, bias=cfg.mlp_bias)
 
@@ -79,13 +80,96 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+class Experts(nn.Module):
+    """num_experts SwiGLU MLPs stored as 3-D tensors, the layout of `transformers` 5:
+    gate_up_proj (E, 2·f, d) and down_proj (E, d, f)."""
+
+    def __init__(self, num_experts: int, d: int, f: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * f, d))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, d, f))
+
+    def forward(self, x: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x (N, d); expert and weight (N, k): each token's chosen experts and their weights → (N, d).
+
+        The N·k (token, expert) pairs are sorted by expert, so every expert runs once, as one
+        matmul over all of its rows, and the results are summed back per token."""
+        k = expert.shape[1]
+        pairs = expert.flatten()
+        order = pairs.argsort(stable=True)
+        rows = x[order // k]  # the tokens, grouped by expert
+        counts = torch.bincount(pairs, minlength=self.gate_up_proj.shape[0]).tolist()
+        outs = []
+        for e, group in enumerate(rows.split(counts)):
+            if len(group):
+                gate, up = F.linear(group, self.gate_up_proj[e]).chunk(2, dim=-1)
+                outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
+        y = torch.cat(outs) * weight.flatten()[order, None].to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, order // k, y)
+
+
+class MoE(nn.Module):
+    """Sparse mixture of experts: a linear router scores the experts per token (softmax), the
+    top num_experts_per_tok run (`Experts`) and their outputs are summed, weighted by those
+    probabilities (renormalised to sum to 1 with norm_topk_prob: Mixtral). Qwen2-MoE adds a
+    shared expert that every token passes through, scaled by sigmoid(shared_expert_gate(x)).
+
+    In training with cfg.router_aux_loss_coef > 0, `router_logits` keeps the last forward's (N, E)
+    router logits for `router_aux_loss`."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.aux_loss_coef = cfg.router_aux_loss_coef
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.router_logits: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        logits = self.gate(flat)
+        weight, expert = torch.topk(logits.float().softmax(dim=-1), self.top_k, dim=-1)
+        if self.normalize:
+            weight = weight / weight.sum(dim=-1, keepdim=True)
+        out = self.experts(flat, expert, weight)
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        self.router_logits = logits if self.training and self.aux_loss_coef else None
+        return out.view_as(x)
+
+
+def load_balancing_loss(router_logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The Switch Transformer / Mixtral auxiliary loss over (N, E) router logits: E · Σ_e f_e · P_e,
+    with f_e the share of the N tokens that chose expert e among their top k (so Σ f = k) and P_e
+    the mean router probability of e. It is k when the load is even and grows as tokens crowd onto
+    a few experts; its gradient reaches the router through P (f counts choices)."""
+    probs = router_logits.float().softmax(dim=-1)
+    num_experts = probs.shape[-1]
+    chosen = probs.topk(top_k, dim=-1).indices.flatten()
+    share = torch.bincount(chosen, minlength=num_experts).float() / probs.shape[0]
+    return num_experts * (share * probs.mean(dim=0)).sum()
+
+
+def router_aux_loss(model: nn.Module) -> torch.Tensor | None:
+    """coef · load_balancing_loss over every MoE layer's router logits of the last training
+    forward (all layers' tokens pooled, as transformers does), or None when nothing was kept."""
+    layers = [m for m in model.modules() if isinstance(m, MoE) and m.router_logits is not None]
+    if not layers:
+        return None
+    logits = torch.cat([m.router_logits for m in layers])
+    return layers[0].aux_loss_coef * load_balancing_loss(logits, layers[0].top_k)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg)
 
     def forward(self, x, cos, sin, attn, kv_cache=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, kv_cache)

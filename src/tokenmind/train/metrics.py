@@ -47,7 +47,7 @@ CPU_PEAK_BF16, CPU_PEAK_FP32 = 1.0e12, 9.0e10
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training (forward + backward) model FLOPs per token; see the module docstring."""
-    n = cfg.num_parameters - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
+    n = cfg.num_active_parameters - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
     attention = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq_len
     return 6.0 * n + attention
 

@@ -32,6 +32,7 @@ from torch import nn
 
 from tokenmind.data.loader import IGNORE_INDEX, TokenBatch
 from tokenmind.model.attention import DenseAttentionMetadata
+from tokenmind.model.transformer import router_aux_loss
 
 
 @dataclass
@@ -95,7 +96,11 @@ class NextTokenObjective:
 
     def __call__(self, model: nn.Module, batch: TokenBatch, precision: str) -> LossTerms:
         loss = self.loss_fn(model, batch.input_ids, batch.targets, batch.document_ids, batch.positions, precision)
-        return LossTerms(loss, (batch.targets != IGNORE_INDEX).sum())
+        count = (batch.targets != IGNORE_INDEX).sum()
+        aux = router_aux_loss(model)  # a mixture of experts' load balancing, a per-token mean: weighed by count
+        if aux is None:
+            return LossTerms(loss, count)
+        return LossTerms(loss + aux * count, count, {"router_aux": aux.detach() * count})
 
     def compiled(self) -> NextTokenObjective:
         return NextTokenObjective(torch.compile(token_loss))

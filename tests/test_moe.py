@@ -1,0 +1,124 @@
+"""Mixture of experts beyond logit parity (that is in test_model_parity.py): the load-balancing loss
+against transformers', training through the objective seam, HF round trips and the paged engine."""
+
+import pytest
+import torch
+import transformers
+from test_engine_llm import naive_greedy, run
+
+from tokenmind.data.loader import TokenBatch
+from tokenmind.engine.config import EngineConfig
+from tokenmind.engine.llm import Engine
+from tokenmind.engine.sampling import SamplingParams
+from tokenmind.model.checkpoint import load_hf_dir, save_hf_dir
+from tokenmind.model.config import ModelConfig
+from tokenmind.model.transformer import MoE, Transformer, load_balancing_loss, router_aux_loss
+from tokenmind.train.objectives import NextTokenObjective
+
+TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64)
+
+
+def tiny_moe(model_type="mixtral", seed=0, **extra) -> Transformer:
+    cfg = ModelConfig(**{**TINY, "model_type": model_type, "num_experts": 4, "num_experts_per_tok": 2, **extra})
+    torch.manual_seed(seed)
+    model = Transformer(cfg)
+    model.init_weights(std=0.3)
+    return model.eval()
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+def test_load_balancing_loss_equals_transformers(top_k):
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    g = torch.Generator().manual_seed(top_k)
+    layers = tuple(torch.randn(40, 6, generator=g) * 2 for _ in range(3))
+    want = load_balancing_loss_func(layers, num_experts=6, top_k=top_k)
+    torch.testing.assert_close(load_balancing_loss(torch.cat(layers), top_k), want)
+    even = torch.zeros(60, 6)  # every expert equally likely: the loss is its minimum, k (ties pick evenly here)
+    even[torch.arange(60), torch.arange(60) % 6] = 1e-3
+    assert abs(float(load_balancing_loss(even, 1)) - 1.0) < 1e-3
+
+
+def test_moe_trains_through_the_objective_and_the_aux_loss_spreads_a_crowded_router():
+    model = tiny_moe(router_aux_loss_coef=0.5)
+    with torch.no_grad():  # every token's hidden state gets a large first component that experts 0 and 1 favour
+        model.embed_tokens.weight[:, 0] = 5.0
+        for layer in model.layers:
+            layer.mlp.gate.weight.zero_()
+            layer.mlp.gate.weight[:2, 0] = 1.5
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 64, (4, 17), generator=g)
+    batch = TokenBatch(ids[:, :-1], ids[:, 1:], torch.zeros(4, 16, dtype=torch.long),
+                       torch.arange(16).expand(4, 16))
+    objective = NextTokenObjective()
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    history = []
+    for _ in range(40):
+        terms = objective(model, batch, "fp32")
+        assert set(terms.metrics) == {"router_aux"}
+        n = int(terms.count)  # loss = cross-entropy sum + coef · aux · n; the metric holds coef · aux · n
+        history.append(((float(terms.loss.detach()) - float(terms.metrics["router_aux"])) / n,
+                        float(terms.metrics["router_aux"]) / n / 0.5))
+        opt.zero_grad()
+        (terms.loss / terms.count).backward()
+        assert model.layers[0].mlp.gate.weight.grad.abs().sum() > 0  # the router learns
+        assert model.layers[0].mlp.experts.down_proj.grad.abs().sum() > 0
+        opt.step()
+    (ce0, aux0), (ce1, aux1) = history[0], history[-1]
+    assert aux0 > 3.0  # crowded: two of 4 experts take every token, E · Σ f·P ≈ 4 (even load: k = 2)
+    assert aux1 < aux0 * 0.7 and ce1 < ce0  # spread out, and the model learned the batch
+    model.eval()
+    model(ids)
+    assert router_aux_loss(model) is None  # nothing is kept outside training
+
+
+def test_no_aux_loss_without_a_coefficient_and_dense_models_are_untouched():
+    model = tiny_moe().train()  # router_aux_loss_coef 0
+    model(torch.randint(0, 64, (2, 5)))
+    assert all(m.router_logits is None for m in model.modules() if isinstance(m, MoE))
+    assert router_aux_loss(model) is None
+
+
+@pytest.mark.parametrize("model_type,extra", [
+    ("mixtral", {}),
+    ("qwen2_moe", dict(qkv_bias=True, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+                       norm_topk_prob=False, mlp_only_layers=[0])),
+    ("qwen3_moe", dict(qk_norm=True, moe_intermediate_size=24, decoder_sparse_step=2)),
+])
+def test_hf_round_trip_loads_in_transformers_and_back_with_equal_logits(tmp_path, model_type, extra):
+    model = tiny_moe(model_type, **extra)
+    save_hf_dir(model, tmp_path / "m")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+    back = load_hf_dir(tmp_path / "m")
+    assert back.cfg.num_experts == 4 and back.cfg.is_moe_layer(0) == model.cfg.is_moe_layer(0)
+    ids = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids)
+        torch.testing.assert_close(hf(ids).logits, want, atol=1e-4, rtol=0)
+        torch.testing.assert_close(back(ids), want, atol=0, rtol=0)
+
+
+def test_the_paged_engine_decodes_a_moe_model_batched_as_it_does_alone():
+    model = tiny_moe("qwen2_moe", moe_intermediate_size=24, shared_expert_intermediate_size=40)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (3, 9, 17, 5)]
+    engine = Engine(model, config=EngineConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=8))
+    ids = [engine.add_request(p, params) for p in prompts]
+    finals, _ = run(engine)
+    assert [finals[i].token_ids for i in ids] == [naive_greedy(model, p, 12) for p in prompts]
+
+
+def test_active_parameters_count_only_the_chosen_experts():
+    from tokenmind.train.metrics import flops_per_token
+
+    model = tiny_moe(num_experts=8, num_experts_per_tok=2)
+    cfg = model.cfg
+    assert cfg.num_parameters == sum(p.numel() for p in model.parameters())
+    expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    assert cfg.num_active_parameters == cfg.num_parameters - 2 * 6 * expert  # 2 MoE layers, 6 idle experts each
+    dense = ModelConfig(**{**TINY, "intermediate_size": 2 * cfg.moe_intermediate_size})  # same active MLP width
+    extra = 2 * (cfg.hidden_size * 8)  # the routers
+    assert flops_per_token(cfg, 16) - flops_per_token(dense, 16) == 6 * extra
