@@ -12,7 +12,7 @@ from tokenmind.engine.llm import Engine
 from tokenmind.engine.sampling import SamplingParams
 from tokenmind.model.checkpoint import load_hf_dir, save_hf_dir
 from tokenmind.model.config import ModelConfig
-from tokenmind.model.transformer import MoE, Transformer, load_balancing_loss, router_aux_loss
+from tokenmind.model.transformer import MoE, Transformer, load_balancing_loss, router_aux_loss, router_z_loss
 from tokenmind.train.objectives import NextTokenObjective
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -122,3 +122,26 @@ def test_active_parameters_count_only_the_chosen_experts():
     dense = ModelConfig(**{**TINY, "intermediate_size": 2 * cfg.moe_intermediate_size})  # same active MLP width
     extra = 2 * (cfg.hidden_size * 8)  # the routers
     assert flops_per_token(cfg, 16) - flops_per_token(dense, 16) == 6 * extra
+
+
+def test_router_z_loss_equals_switch_transformers_and_shrinks_the_router_logits():
+    from transformers.models.switch_transformers.modeling_switch_transformers import router_z_loss_func
+
+    logits = torch.randn(3, 10, 4, generator=torch.Generator().manual_seed(0)) * 3
+    torch.testing.assert_close(router_z_loss(logits.flatten(0, 1)), router_z_loss_func(logits))
+    model = tiny_moe(router_z_loss_coef=1.0).train()  # z-loss only: no load-balancing term
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.mlp.gate.weight.mul_(20)  # large router logits
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.SGD([p for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")], lr=1e-3)
+    losses = []
+    for _ in range(8):
+        model(ids)
+        loss = router_aux_loss(model)
+        losses.append(float(loss.detach()))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < 0.85 * losses[0]
+    assert ModelConfig.from_hf(model.cfg.to_hf()).router_z_loss_coef == 1.0  # kept in config.json

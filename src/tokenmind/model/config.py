@@ -59,6 +59,7 @@ class ModelConfig:
     decoder_sparse_step: int = 1  # layers i with (i + 1) % step == 0 are MoE, the rest dense ...
     mlp_only_layers: list[int] = field(default_factory=list)  # ... and these are dense regardless
     router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss in training
+    router_z_loss_coef: float = 0.0  # weight of the router z-loss (ST-MoE): keeps router logits small
     model_type: str = "llama"
     extra: dict[str, Any] = field(default_factory=dict)  # HF keys we carry through unchanged
 
@@ -217,6 +218,8 @@ class ModelConfig:
             hf["sliding_window"] = self.sliding_window
         if self.model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
             hf["use_sliding_window"] = self.sliding_window is not None
+        if self.num_experts and self.router_z_loss_coef:
+            hf["router_z_loss_coef"] = self.router_z_loss_coef  # ours: transformers carries it through
         if self.model_type == "mixtral":
             hf.update(num_local_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
                       router_aux_loss_coef=self.router_aux_loss_coef)
@@ -241,14 +244,16 @@ def _moe_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
         return {}
     if model_type == "mixtral":
         return {"num_experts": hf.get("num_local_experts", 8), "num_experts_per_tok": hf.get("num_experts_per_tok", 2),
-                "norm_topk_prob": True, "router_aux_loss_coef": hf.get("router_aux_loss_coef", 0.001)}
+                "norm_topk_prob": True, "router_aux_loss_coef": hf.get("router_aux_loss_coef", 0.001),
+                "router_z_loss_coef": hf.get("router_z_loss_coef", 0.0)}
     out = {"num_experts": hf.get("num_experts", 60 if model_type == "qwen2_moe" else 128),
            "num_experts_per_tok": hf.get("num_experts_per_tok", 4 if model_type == "qwen2_moe" else 8),
            "moe_intermediate_size": hf.get("moe_intermediate_size", 1408 if model_type == "qwen2_moe" else 768),
            "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
            "decoder_sparse_step": hf.get("decoder_sparse_step", 1),
            "mlp_only_layers": list(hf.get("mlp_only_layers") or []),
-           "router_aux_loss_coef": hf.get("router_aux_loss_coef", 0.001)}
+           "router_aux_loss_coef": hf.get("router_aux_loss_coef", 0.001),
+           "router_z_loss_coef": hf.get("router_z_loss_coef", 0.0)}
     if model_type == "qwen2_moe":
         out["shared_expert_intermediate_size"] = hf.get("shared_expert_intermediate_size", 5632)
     return out

@@ -114,13 +114,13 @@ class MoE(nn.Module):
     probabilities (renormalised to sum to 1 with norm_topk_prob: Mixtral). Qwen2-MoE adds a
     shared expert that every token passes through, scaled by sigmoid(shared_expert_gate(x)).
 
-    In training with cfg.router_aux_loss_coef > 0, `router_logits` keeps the last forward's (N, E)
-    router logits for `router_aux_loss`."""
+    In training with a router loss weighted (cfg.router_aux_loss_coef, router_z_loss_coef),
+    `router_logits` keeps the last forward's (N, E) router logits for `router_aux_loss`."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.aux_loss_coef = cfg.router_aux_loss_coef
+        self.aux_loss_coef, self.z_loss_coef = cfg.router_aux_loss_coef, cfg.router_z_loss_coef
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         if cfg.shared_expert_intermediate_size:
@@ -137,7 +137,7 @@ class MoE(nn.Module):
         out = self.experts(flat, expert, weight)
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
-        self.router_logits = logits if self.training and self.aux_loss_coef else None
+        self.router_logits = logits if self.training and (self.aux_loss_coef or self.z_loss_coef) else None
         return out.view_as(x)
 
 
@@ -153,14 +153,22 @@ def load_balancing_loss(router_logits: torch.Tensor, top_k: int) -> torch.Tensor
     return num_experts * (share * probs.mean(dim=0)).sum()
 
 
+def router_z_loss(router_logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's z-loss over (N, E) router logits: the mean of logsumexp(logits)², which keeps the
+    logits small, so the router's softmax stays in a range where bf16 rounding does not flip choices."""
+    return torch.logsumexp(router_logits.float(), dim=-1).square().mean()
+
+
 def router_aux_loss(model: nn.Module) -> torch.Tensor | None:
-    """coef · load_balancing_loss over every MoE layer's router logits of the last training
-    forward (all layers' tokens pooled, as transformers does), or None when nothing was kept."""
+    """aux_coef · load_balancing_loss + z_coef · router_z_loss over every MoE layer's router
+    logits of the last training forward (all layers' tokens pooled, as transformers does), or
+    None when nothing was kept."""
     layers = [m for m in model.modules() if isinstance(m, MoE) and m.router_logits is not None]
     if not layers:
         return None
-    logits = torch.cat([m.router_logits for m in layers])
-    return layers[0].aux_loss_coef * load_balancing_loss(logits, layers[0].top_k)
+    logits, first = torch.cat([m.router_logits for m in layers]), layers[0]
+    loss = first.aux_loss_coef * load_balancing_loss(logits, first.top_k)
+    return loss + first.z_loss_coef * router_z_loss(logits) if first.z_loss_coef else loss
 
 
 class Block(nn.Module):
