@@ -30,6 +30,27 @@ CASES = {
     "qwen3-moe-sparse-step": dict(model_type="qwen3_moe", qk_norm=True, num_experts=5, num_experts_per_tok=2,
                                   moe_intermediate_size=40, norm_topk_prob=True, decoder_sparse_step=2,
                                   num_hidden_layers=3),
+    "olmoe-clip": dict(model_type="olmoe", qk_norm=True, qk_norm_per_head=False, clip_qkv=0.8, num_experts=4,
+                       num_experts_per_tok=2, norm_topk_prob=False),
+    "deepseek-v2-lite": dict(model_type="deepseek_v2", num_key_value_heads=4, num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=32, n_shared_experts=2, first_k_dense_replace=1,
+                             routed_scaling_factor=1.5, kv_lora_rank=24, q_lora_rank=None, qk_nope_head_dim=16,
+                             qk_rope_head_dim=8, v_head_dim=12, rope_interleave=True),
+    "deepseek-v2-groups": dict(model_type="deepseek_v2", num_key_value_heads=4, num_experts=8, num_experts_per_tok=3,
+                               moe_intermediate_size=24, n_shared_experts=1, topk_method="group_limited_greedy",
+                               n_group=4, topk_group=2, qkv_bias=True, o_bias=True, kv_lora_rank=20, q_lora_rank=28,
+                               qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=16, rope_interleave=True),
+    "deepseek-v3": dict(model_type="deepseek_v3", num_key_value_heads=4, num_experts=8, num_experts_per_tok=2,
+                        moe_intermediate_size=24, n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=3,
+                        topk_method="noaux_tc", scoring_func="sigmoid", n_group=4, topk_group=2, norm_topk_prob=True,
+                        routed_scaling_factor=2.5, kv_lora_rank=24, q_lora_rank=32, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=16, rope_interleave=True),
+    "deepseek-v3-yarn-plain-rope": dict(
+        model_type="deepseek_v3", num_key_value_heads=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+        n_shared_experts=1, topk_method="noaux_tc", scoring_func="sigmoid", kv_lora_rank=16, q_lora_rank=None,
+        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, rope_interleave=False,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 1.0,
+                      "mscale_all_dim": 1.0}),
     "rope-linear": dict(model_type="llama", rope_scaling={"rope_type": "linear", "factor": 2.0}),
     "rope-dynamic": dict(model_type="llama", max_position_embeddings=8,
                          rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
@@ -52,6 +73,9 @@ def make_pair(case: str, seed: int = 0):
                 p.normal_(1.0 if "norm" in name else 0.0, 0.1)
             elif name.endswith("mlp.gate.weight"):  # routers: spread scores, so the top-k is never a near tie
                 p.normal_(0.0, 1.0)
+        for name, b in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3: a bias that really moves the choice
+                b.normal_(0.0, 0.3)
     ours = Transformer(cfg).eval()
     ours.load_state_dict(from_hf_state_dict(hf.state_dict()), strict=True)
     return cfg, hf, ours

@@ -12,11 +12,22 @@ from tokenmind.engine.llm import Engine
 from tokenmind.engine.sampling import SamplingParams
 from tokenmind.model.checkpoint import load_hf_dir, save_hf_dir
 from tokenmind.model.config import ModelConfig
-from tokenmind.model.transformer import MoE, Transformer, load_balancing_loss, router_aux_loss, router_z_loss
+from tokenmind.model.transformer import (
+    MoE,
+    Transformer,
+    balance_experts,
+    load_balancing_loss,
+    router_aux_loss,
+    router_z_loss,
+)
 from tokenmind.train.objectives import NextTokenObjective
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64)
+MLA = dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+           rope_interleave=True, moe_intermediate_size=24, n_shared_experts=1)
+DEEPSEEK_V3 = dict(MLA, topk_method="noaux_tc", scoring_func="sigmoid", n_group=2, topk_group=1,
+                   routed_scaling_factor=2.5)
 
 
 def tiny_moe(model_type="mixtral", seed=0, **extra) -> Transformer:
@@ -86,6 +97,9 @@ def test_no_aux_loss_without_a_coefficient_and_dense_models_are_untouched():
     ("qwen2_moe", dict(qkv_bias=True, moe_intermediate_size=24, shared_expert_intermediate_size=40,
                        norm_topk_prob=False, mlp_only_layers=[0])),
     ("qwen3_moe", dict(qk_norm=True, moe_intermediate_size=24, decoder_sparse_step=2)),
+    ("olmoe", dict(qk_norm=True, qk_norm_per_head=False, clip_qkv=1.0, norm_topk_prob=False)),
+    ("deepseek_v2", dict(MLA, first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=2, topk_group=1)),
+    ("deepseek_v3", DEEPSEEK_V3),
 ])
 def test_hf_round_trip_loads_in_transformers_and_back_with_equal_logits(tmp_path, model_type, extra):
     model = tiny_moe(model_type, **extra)
@@ -100,8 +114,12 @@ def test_hf_round_trip_loads_in_transformers_and_back_with_equal_logits(tmp_path
         torch.testing.assert_close(back(ids), want, atol=0, rtol=0)
 
 
-def test_the_paged_engine_decodes_a_moe_model_batched_as_it_does_alone():
-    model = tiny_moe("qwen2_moe", moe_intermediate_size=24, shared_expert_intermediate_size=40)
+@pytest.mark.parametrize("model_type,extra", [
+    ("qwen2_moe", dict(moe_intermediate_size=24, shared_expert_intermediate_size=40)),
+    ("deepseek_v3", DEEPSEEK_V3),  # latent attention: the pool holds latents, decode absorbs kv_b_proj
+])
+def test_the_paged_engine_decodes_a_moe_model_batched_as_it_does_alone(model_type, extra):
+    model = tiny_moe(model_type, **extra)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (3, 9, 17, 5)]
@@ -145,3 +163,60 @@ def test_router_z_loss_equals_switch_transformers_and_shrinks_the_router_logits(
         opt.step()
     assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < 0.85 * losses[0]
     assert ModelConfig.from_hf(model.cfg.to_hf()).router_z_loss_coef == 1.0  # kept in config.json
+
+
+def test_aux_loss_free_balancing_spreads_a_crowded_router_without_touching_the_weights():
+    """DeepSeek-V3's bias only steers which experts are chosen: with every token crowding onto
+    experts 0 and 1, stepping the bias by γ·sign(mean load − load) after each batch evens the load
+    out, while each chosen expert's weight stays its raw sigmoid score."""
+    model = tiny_moe("deepseek_v3", **{**DEEPSEEK_V3, "n_group": 1, "router_bias_update_rate": 0.01})
+    with torch.no_grad():
+        model.embed_tokens.weight[:, 0] = 5.0
+        for layer in model.layers:  # tokens' scores differ, but all prefer experts 0 and 1
+            layer.mlp.gate.weight[:2, 0] = 0.5
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+    model.train()
+    imbalance = []
+    for _ in range(60):
+        with torch.no_grad():
+            model(ids)
+        loads = balance_experts(model)
+        assert all(abs(float(load.sum()) - 1.0) < 1e-6 for load in loads)  # shares of the routed pairs
+        imbalance.append(max(float(load.max()) * 4 for load in loads))
+    assert imbalance[0] > 1.85  # two of 4 experts take (nearly) every token: twice the even share
+    assert sum(imbalance[-10:]) / 10 < 1.3
+    router = model.layers[0].mlp.gate
+    bias = router.e_score_correction_bias
+    assert bias[:2].max() < 0 and bias[:2].mean() < bias[2:].mean()  # the crowded experts were pushed down
+    x = torch.randn(5, 32)
+    weight, expert = router.route(router(x))
+    want = torch.sigmoid(router(x)).gather(1, expert)
+    torch.testing.assert_close(weight, want / want.sum(-1, keepdim=True) * 2.5)
+    assert all(float(m.expert_load.sum()) == 0 for m in model.modules() if isinstance(m, MoE))  # read and reset
+
+
+def test_a_deepseek_v3_model_pretrains_with_expert_load_logged_and_plotted(tmp_path):
+    from test_train_helpers import tiny_config, write_shards
+
+    torch.set_num_threads(1)  # tiny models: one intra-op thread (see test_train_helpers.one_thread)
+    from tokenmind.jsonl import read_jsonl
+    from tokenmind.train import pretrain
+
+    moe = ["--model.model_type=deepseek_v3", "--model.num_experts=4", "--model.num_experts_per_tok=2",
+           "--model.moe_intermediate_size=32", "--model.n_shared_experts=1", "--model.first_k_dense_replace=1",
+           "--model.topk_method=noaux_tc", "--model.scoring_func=sigmoid", "--model.router_bias_update_rate=0.01",
+           "--model.num_key_value_heads=4", "--model.kv_lora_rank=16", "--model.q_lora_rank=24",
+           "--model.qk_nope_head_dim=16", "--model.qk_rope_head_dim=8", "--model.v_head_dim=16", "--train.steps=40"]
+    result = pretrain(tiny_config(write_shards(tmp_path / "shards"), tmp_path / "run", *moe))
+    assert result.losses[-1] < result.losses[0] - 0.5
+    records = [r for r in read_jsonl(result.metrics_path) if "expert_load" in r]
+    assert records and all(len(r["expert_load"]) == 1 and len(r["expert_load"][0]) == 4 for r in records)
+    assert all(r["expert_load_max"] >= 1.0 for r in records)
+    assert (tmp_path / "run" / "expert_load.png").stat().st_size > 10_000
+    hf = transformers.AutoModelForCausalLM.from_pretrained(result.final_model_path)
+    bias = hf.model.layers[1].mlp.gate.e_score_correction_bias
+    assert bias.abs().max() > 0  # the balancing bias was trained and exported
+    back = load_hf_dir(result.final_model_path).eval()
+    ids = torch.randint(0, back.cfg.vocab_size, (1, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(hf.eval()(ids).logits, back(ids), atol=1e-4, rtol=0)

@@ -50,9 +50,13 @@ def run_step(model, cache, seqs, chunks):
     return [logits[starts[i]:starts[i + 1]] for i in range(len(seqs))]
 
 
+MLA = {"model_type": "deepseek_v3", "num_key_value_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 24,
+       "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "rope_interleave": True}
+
+
 @pytest.mark.parametrize("in_order", [False, True])
 @pytest.mark.parametrize("kw", [{}, {"sliding_window": 5}, {"attn_logit_softcapping": 3.0},
-                                {"num_key_value_heads": 1}])
+                                {"num_key_value_heads": 1}, MLA])  # MLA: absorbed over latents == expanded
 def test_chunked_prefill_and_batched_decode_match_full_forward(kw, in_order):
     model = tiny(**kw)
     cache = PagedKVCache(model.cfg, num_blocks=40, block_size=BLOCK)

@@ -25,6 +25,7 @@ _FUSED = {  # our fused module → the HF modules stacked in it, in order
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
     "mlp.shared_expert.gate_up_proj": ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
+    "mlp.shared_experts.gate_up_proj": ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"),
 }
 
 def from_hf_state_dict(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -52,7 +53,8 @@ def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     cfg, hf = model.cfg, {}
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     sizes = {"self_attn.qkv_proj": [q, kv, kv], "mlp.gate_up_proj": [cfg.intermediate_size] * 2,
-             "mlp.shared_expert.gate_up_proj": [cfg.shared_expert_intermediate_size] * 2}
+             "mlp.shared_expert.gate_up_proj": [cfg.shared_expert_intermediate_size] * 2,
+             "mlp.shared_experts.gate_up_proj": [cfg.shared_experts_intermediate_size] * 2}
     for name, tensor in model.state_dict().items():
         if cfg.tie_word_embeddings and name == "lm_head.weight":
             continue

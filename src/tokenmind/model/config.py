@@ -1,8 +1,9 @@
 """`ModelConfig`: the one description of a decoder-only Transformer, and its mapping to HF `config.json`.
 
 Every supported family (Llama, Mistral, Qwen2, Qwen3, SmolLM; the mixtures of experts Mixtral,
-Qwen2-MoE and Qwen3-MoE) is the same network with a few switches, so the switches live here and
-the `Transformer` reads only this dataclass.
+Qwen2-MoE, Qwen3-MoE, OLMoE, and DeepSeek-V2/V3 with multi-head latent attention) is the same
+network with a few switches, so the switches live here and the `Transformer` reads only this
+dataclass.
 """
 
 from __future__ import annotations
@@ -11,8 +12,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
+                         "deepseek_v2", "deepseek_v3")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3")
+DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
 _ARCHITECTURES = {
@@ -23,6 +27,9 @@ _ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 
@@ -46,6 +53,8 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    qk_norm_per_head: bool = True  # False (OLMoE): one RMSNorm over all heads of q, and one over all of k
+    clip_qkv: float | None = None  # OLMoE: clamp q, k and v to [-clip, clip]
     sliding_window: int | None = None  # Mistral: attend to at most this many previous tokens
     attn_logit_softcapping: float | None = None  # scores → cap * tanh(scores / cap)
     final_logit_softcapping: float | None = None
@@ -60,12 +69,41 @@ class ModelConfig:
     mlp_only_layers: list[int] = field(default_factory=list)  # ... and these are dense regardless
     router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss in training
     router_z_loss_coef: float = 0.0  # weight of the router z-loss (ST-MoE): keeps router logits small
+    # DeepSeek routing: scores by softmax or sigmoid; "greedy" top-k, or first the topk_group best of
+    # n_group expert groups ("group_limited_greedy": a group's score is its best expert, V2;
+    # "noaux_tc": sigmoid scores plus a per-expert bias that only steers the choice, a group's score
+    # its best two, V3); chosen weights times routed_scaling_factor; n_shared_experts always-on experts
+    scoring_func: str = "softmax"
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+    first_k_dense_replace: int = 0  # the first k layers keep a dense MLP
+    router_bias_update_rate: float = 0.0  # aux-loss-free balancing: bias step per training step (noaux_tc)
+    # Multi-head latent attention (kv_lora_rank > 0, DeepSeek): keys and values are expanded per head
+    # from a kv_lora_rank latent plus one shared qk_rope_head_dim RoPE key, and only those are cached
+    q_lora_rank: int | None = None  # queries through a low-rank bottleneck; None → one q_proj
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # RoPE rotates adjacent pairs (x0, x1), (x2, x3), ... (DeepSeek)
     model_type: str = "llama"
     extra: dict[str, Any] = field(default_factory=dict)  # HF keys we carry through unchanged
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
+        if self.kv_lora_rank:
+            self.head_dim = self.qk_rope_head_dim  # the rotary part is what RoPE sees (as in transformers)
+            if not (self.qk_rope_head_dim > 0 and self.qk_nope_head_dim > 0 and self.v_head_dim > 0):
+                raise ValueError("multi-head latent attention (kv_lora_rank > 0) needs positive qk_rope_head_dim, "
+                                 "qk_nope_head_dim and v_head_dim")
+            if self.num_key_value_heads not in (None, self.num_attention_heads):
+                raise ValueError("multi-head latent attention expands keys and values for every head: set "
+                                 f"num_key_value_heads to num_attention_heads={self.num_attention_heads} "
+                                 "(or leave it unset)")
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError(
@@ -95,6 +133,8 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.model_type == "deepseek_v2":
+            self.norm_topk_prob = False  # transformers' DeepSeek-V2 never renormalises the top-k weights
         if self.num_experts:
             if self.moe_intermediate_size is None:
                 self.moe_intermediate_size = self.intermediate_size
@@ -103,26 +143,69 @@ class ModelConfig:
                                  f"num_experts={self.num_experts}")
             if self.decoder_sparse_step < 1:
                 raise ValueError(f"decoder_sparse_step must be at least 1, got {self.decoder_sparse_step}")
+            if self.topk_method not in TOPK_METHODS:
+                raise ValueError(f"unsupported topk_method {self.topk_method!r}; supported: {', '.join(TOPK_METHODS)}")
+            if self.scoring_func not in ("softmax", "sigmoid"):
+                raise ValueError(f"scoring_func must be 'softmax' or 'sigmoid', got {self.scoring_func!r}")
+            if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
+                raise ValueError(f"n_group={self.n_group} must divide num_experts={self.num_experts} and "
+                                 f"topk_group={self.topk_group} be between 1 and n_group")
+            if self.router_bias_update_rate and self.topk_method != "noaux_tc":
+                raise ValueError("router_bias_update_rate (auxiliary-loss-free balancing) steers the per-expert "
+                                 "bias of topk_method='noaux_tc' routing; set topk_method='noaux_tc'")
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether layer i's MLP is a mixture of experts (Qwen2-MoE's sparse step and dense-only layers)."""
         return (self.num_experts > 0 and (i + 1) % self.decoder_sparse_step == 0
-                and i not in self.mlp_only_layers)
+                and i not in self.mlp_only_layers and i >= self.first_k_dense_replace)
+
+    @property
+    def shared_experts_intermediate_size(self) -> int:
+        """Width of the always-on expert MLP: Qwen2-MoE's gated one or DeepSeek's n_shared_experts."""
+        return self.shared_expert_intermediate_size or self.n_shared_experts * (self.moe_intermediate_size or 0)
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Query/key width per head: head_dim, or under MLA the no-RoPE part plus the RoPE part."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.kv_lora_rank else self.head_dim
+
+    def kv_cache_entry(self) -> tuple[int, int, int]:
+        """(heads, key width, value width) of one cached token in one layer. Multi-head latent attention
+        caches one entry, the normed latent followed by the RoPE key, whose first kv_lora_rank values
+        double as the value: its value width counts no extra memory (see `PagedKVCache`)."""
+        if self.kv_lora_rank:
+            return 1, self.kv_lora_rank + self.qk_rope_head_dim, 0
+        return self.num_key_value_heads, self.head_dim, self.head_dim
 
     @property
     def num_parameters(self) -> int:
         """Parameter count (tied embeddings counted once), for MFU and reports."""
         d, h, kv, hd = self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim
-        attn = d * h * hd * 2 + d * kv * hd * 2
-        attn += ((h + 2 * kv) * hd if self.qkv_bias else 0) + (d if self.o_bias else 0)
+        if self.kv_lora_rank:
+            attn = self._mla_parameters
+        else:
+            attn = d * h * hd * 2 + d * kv * hd * 2
+            attn += ((h + 2 * kv) * hd if self.qkv_bias else 0) + (d if self.o_bias else 0)
+        shared = self.shared_experts_intermediate_size
         moe = (self.num_experts * (3 * d * (self.moe_intermediate_size or 0) + d)
-               + (3 * self.shared_expert_intermediate_size * d + d if self.shared_expert_intermediate_size else 0))
+               + (3 * shared * d if shared else 0) + (d if self.shared_expert_intermediate_size else 0))
         dense = 3 * d * self.intermediate_size + (2 * self.intermediate_size + d if self.mlp_bias else 0)
         mlps = sum(moe if self.is_moe_layer(i) else dense
                    for i in range(self.num_hidden_layers))
-        norms = 2 * d + (2 * hd if self.qk_norm else 0)
+        qk_norms = 0 if not self.qk_norm else 2 * hd if self.qk_norm_per_head else (h + kv) * hd
         emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        return self.num_hidden_layers * (attn + norms) + mlps + emb + d
+        return self.num_hidden_layers * (attn + 2 * d + qk_norms) + mlps + emb + d
+
+    @property
+    def _mla_parameters(self) -> int:
+        d, h, rank, rope = self.hidden_size, self.num_attention_heads, self.kv_lora_rank, self.qk_rope_head_dim
+        bias = self.qkv_bias
+        q_out = h * self.qk_head_dim
+        q = d * q_out if self.q_lora_rank is None else \
+            d * self.q_lora_rank + (self.q_lora_rank if bias else 0) + self.q_lora_rank + self.q_lora_rank * q_out
+        kv = d * (rank + rope) + (rank + rope if bias else 0) + rank
+        kv += rank * h * (self.qk_nope_head_dim + self.v_head_dim)
+        return q + kv + h * self.v_head_dim * d + (d if self.o_bias else 0)
 
     @property
     def num_active_parameters(self) -> int:
@@ -158,7 +241,7 @@ class ModelConfig:
             sliding = None
         known = {f.name for f in dataclasses.fields(cls)} | {
             "rope_parameters", "attention_bias", "use_sliding_window", "architectures", "torch_dtype", "dtype",
-            "transformers_version", "hidden_act", "num_local_experts", "qkv_bias",
+            "transformers_version", "hidden_act", "num_local_experts", "qkv_bias", "n_routed_experts",
         }
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r}; only 'silu' (SwiGLU) is supported")
@@ -178,13 +261,16 @@ class ModelConfig:
             qkv_bias=hf.get("qkv_bias", True) if model_type in ("qwen2", "qwen2_moe") else bias,
             o_bias=False if model_type in ("qwen2", "qwen2_moe") else bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe"),
+            qk_norm_per_head=model_type != "olmoe",
+            clip_qkv=hf.get("clip_qkv"),
             sliding_window=sliding,
             attn_logit_softcapping=hf.get("attn_logit_softcapping"),
             final_logit_softcapping=hf.get("final_logit_softcapping"),
             model_type=model_type,
             extra={k: v for k, v in hf.items() if k not in known},
             **_moe_from_hf(hf, model_type),
+            **_mla_from_hf(hf, model_type),
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -208,12 +294,14 @@ class ModelConfig:
             "hidden_act": "silu",
             "torch_dtype": "float32",
         }
-        if self.model_type in ("llama", "qwen3", "qwen3_moe"):
+        if self.model_type in ("llama", "qwen3", "qwen3_moe", "olmoe", *DEEPSEEK_MODEL_TYPES):
             hf["attention_bias"] = self.qkv_bias
         if self.model_type == "qwen2_moe":
             hf["qkv_bias"] = self.qkv_bias
-        if self.model_type == "llama":
+        if self.model_type in ("llama", "deepseek_v2"):
             hf["mlp_bias"] = self.mlp_bias
+        if self.clip_qkv is not None:
+            hf["clip_qkv"] = self.clip_qkv
         if self.model_type == "mistral" or self.sliding_window is not None:
             hf["sliding_window"] = self.sliding_window
         if self.model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
@@ -230,6 +318,23 @@ class ModelConfig:
                       router_aux_loss_coef=self.router_aux_loss_coef)
             if self.model_type == "qwen2_moe":
                 hf["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
+        elif self.model_type == "olmoe":
+            hf.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                      norm_topk_prob=self.norm_topk_prob, router_aux_loss_coef=self.router_aux_loss_coef)
+        elif self.model_type in DEEPSEEK_MODEL_TYPES:
+            hf.update(n_routed_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                      moe_intermediate_size=self.moe_intermediate_size, n_shared_experts=self.n_shared_experts,
+                      first_k_dense_replace=self.first_k_dense_replace, norm_topk_prob=self.norm_topk_prob,
+                      routed_scaling_factor=self.routed_scaling_factor, n_group=self.n_group,
+                      topk_group=self.topk_group, kv_lora_rank=self.kv_lora_rank, q_lora_rank=self.q_lora_rank,
+                      qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
+                      v_head_dim=self.v_head_dim)
+            if self.model_type == "deepseek_v2":
+                hf["topk_method"] = self.topk_method
+            else:
+                hf["rope_interleave"] = self.rope_interleave
+            if self.router_bias_update_rate:
+                hf["router_bias_update_rate"] = self.router_bias_update_rate  # ours, carried through
         for name in ("attn_logit_softcapping", "final_logit_softcapping"):
             if getattr(self, name) is not None:
                 hf[name] = getattr(self, name)
@@ -242,6 +347,26 @@ def _moe_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
     with norm_topk_prob; only Qwen2-MoE has a shared expert."""
     if model_type not in MOE_MODEL_TYPES:
         return {}
+    if model_type == "olmoe":
+        return {"num_experts": hf.get("num_experts", 64), "num_experts_per_tok": hf.get("num_experts_per_tok", 8),
+                "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+                "router_aux_loss_coef": hf.get("router_aux_loss_coef", 0.01),
+                "router_z_loss_coef": hf.get("router_z_loss_coef", 0.0)}
+    if model_type in DEEPSEEK_MODEL_TYPES:
+        v3 = model_type == "deepseek_v3"
+        return {"num_experts": hf.get("n_routed_experts", 256 if v3 else 64),
+                "num_experts_per_tok": hf.get("num_experts_per_tok") or 8,
+                "moe_intermediate_size": hf.get("moe_intermediate_size", 2048 if v3 else 1407),
+                "n_shared_experts": hf.get("n_shared_experts") or 0,
+                "first_k_dense_replace": hf.get("first_k_dense_replace") or 0,
+                "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
+                "routed_scaling_factor": float(hf.get("routed_scaling_factor", 2.5 if v3 else 1.0)),
+                "scoring_func": "sigmoid" if v3 else "softmax",
+                "topk_method": "noaux_tc" if v3 else hf.get("topk_method") or "greedy",
+                "n_group": hf.get("n_group") or 1, "topk_group": hf.get("topk_group") or 1,
+                "router_bias_update_rate": hf.get("router_bias_update_rate", 0.0),
+                "router_aux_loss_coef": hf.get("router_aux_loss_coef", 0.0),
+                "router_z_loss_coef": hf.get("router_z_loss_coef", 0.0)}
     if model_type == "mixtral":
         return {"num_experts": hf.get("num_local_experts", 8), "num_experts_per_tok": hf.get("num_experts_per_tok", 2),
                 "norm_topk_prob": True, "router_aux_loss_coef": hf.get("router_aux_loss_coef", 0.001),
@@ -257,3 +382,14 @@ def _moe_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
     if model_type == "qwen2_moe":
         out["shared_expert_intermediate_size"] = hf.get("shared_expert_intermediate_size", 5632)
     return out
+
+
+def _mla_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The multi-head latent attention fields of a DeepSeek-V2/V3 config.json ({} otherwise). V2's
+    complex-number RoPE rotates adjacent pairs, which is V3's rope_interleave."""
+    if model_type not in DEEPSEEK_MODEL_TYPES:
+        return {}
+    return {"kv_lora_rank": hf.get("kv_lora_rank", 512), "q_lora_rank": hf.get("q_lora_rank", 1536),
+            "qk_nope_head_dim": hf.get("qk_nope_head_dim", 128), "qk_rope_head_dim": hf.get("qk_rope_head_dim", 64),
+            "v_head_dim": hf.get("v_head_dim") or 128,
+            "rope_interleave": bool(hf.get("rope_interleave", True)) if model_type == "deepseek_v3" else True}

@@ -23,28 +23,44 @@ class PagedKVCache:
     """The block pool: keys/values of every layer in fixed-size blocks.
 
     k/v: (layers, num_blocks, block_size, kv_heads, head_dim). Slot s = block * block_size + offset.
+    Under multi-head latent attention one entry per token (the latent and the RoPE key) is the key,
+    and the value is a view of its first kv_lora_rank values (`values_in_keys`): nothing is stored
+    twice, so a block holds several times the tokens of a GQA cache of the same model.
     """
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-        shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        heads, key_dim, value_dim = cfg.kv_cache_entry()
+        shape = (cfg.num_hidden_layers, num_blocks, block_size, heads, key_dim)
+        self.values_in_keys = value_dim == 0
         self.k = _zeros_on_first_touch(shape, dtype, device)
-        self.v = _zeros_on_first_touch(shape, dtype, device)
         self.num_blocks, self.block_size = num_blocks, block_size
         # the same memory indexed by slot, all layers and each layer: made once, not per token and layer
         self.k_slots = self.k.view(shape[0], num_blocks * block_size, *shape[3:])
-        self.v_slots = self.v.view(shape[0], num_blocks * block_size, *shape[3:])
+        if self.values_in_keys:
+            self.v, self.v_slots = self.k[..., :cfg.kv_lora_rank], self.k_slots[..., :cfg.kv_lora_rank]
+        else:
+            self.v = _zeros_on_first_touch(shape[:-1] + (value_dim,), dtype, device)
+            self.v_slots = self.v.view(shape[0], num_blocks * block_size, heads, value_dim)
         self.k_layer_slots, self.v_layer_slots = self.k_slots.unbind(0), self.v_slots.unbind(0)
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        heads, key_dim, value_dim = cfg.kv_cache_entry()
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+        return cfg.num_hidden_layers * block_size * heads * (key_dim + value_dim) * elem
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store one layer's new keys/values (N, H_kv, D) at their slots."""
+        self.k_layer_slots[layer].index_copy_(0, slots, k)
+        if not self.values_in_keys:
+            self.v_layer_slots[layer].index_copy_(0, slots, v)
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy-on-write support: duplicate one block's contents in every layer."""
         self.k[:, dst] = self.k[:, src]
-        self.v[:, dst] = self.v[:, src]
+        if not self.values_in_keys:
+            self.v[:, dst] = self.v[:, src]
 
 
 def _zeros_on_first_touch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -183,7 +199,7 @@ def _causal_mask(q_len: int, k_len: int, window: int | None, device) -> torch.Te
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, layer: int,
                     meta: PagedAttentionMetadata, window: int | None, attend: Callable) -> torch.Tensor:
-    """q (N, H, D), k/v (N, H_kv, D) for the new tokens → attention output (N, H, D).
+    """q (N, H, D), k/v (N, H_kv, D | D_v) for the new tokens → attention output (N, H, D_v).
 
     `attend(q, k, v, mask, causal)` is the layer's kernel on (B, H, T, D) tensors
     (`attention.scaled_dot_product`), so soft-capping and GQA behave exactly as in the dense path.
@@ -192,8 +208,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
     blocks are consecutive is read through a view of the pool instead of a gathered copy.
     """
     k_cache, v_cache = cache.k[layer], cache.v[layer]
-    cache.k_layer_slots[layer].index_copy_(0, meta.slot_mapping, k)
-    cache.v_layer_slots[layer].index_copy_(0, meta.slot_mapping, v)
+    cache.write(layer, meta.slot_mapping, k, v)
 
     starts, lens = meta.query_start_loc, meta.seq_lens
     dec = meta.decode_batch(cache.block_size, window)
@@ -201,7 +216,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
         keys, vals = dec.keys_values(cache, layer)  # (S, H_kv, L, D)
         if dec.rows.numel() == q.shape[0]:  # an all-decode step: no scatter into a bigger output
             return attend(q[:, :, None], keys, vals, dec.mask, False)[:, :, 0]
-    out = torch.empty_like(q)
+    out = q.new_empty(*q.shape[:2], v.shape[-1])  # values may be narrower than keys (latent attention)
     if dec is not None:
         out[dec.rows] = attend(q[dec.rows][:, :, None], keys, vals, dec.mask, False)[:, :, 0]
     for i in range(meta.num_seqs):

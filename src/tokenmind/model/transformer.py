@@ -5,10 +5,13 @@ q/k norm, bias, sliding window, soft-capping) → residual → RMSNorm → SwiGL
 RMSNorm → LM head. Module names follow Hugging Face checkpoints, except that q/k/v and gate/up
 are each one fused matrix (`qkv_proj`, `gate_up_proj`): one matmul instead of three or two,
 which matters when decode is bound by per-op overhead. `checkpoint.py` splits and joins them.
-In a mixture-of-experts model (`cfg.num_experts`) the MLP of some or all layers is a `MoE`.
+In a mixture-of-experts model (`cfg.num_experts`) the MLP of some or all layers is a `MoE`;
+DeepSeek models attend through `LatentAttention` (multi-head latent attention).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -44,9 +47,13 @@ class Attention(nn.Module):
         d = cfg.hidden_size
         self.qkv_proj = nn.Linear(d, (self.n_heads + 2 * self.n_kv) * self.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=cfg.o_bias)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qk_norm_per_head = cfg.qk_norm_per_head
+        if cfg.qk_norm:  # per head (Qwen3), or over all heads at once (OLMoE)
+            q_width, k_width = (self.head_dim, self.head_dim) if cfg.qk_norm_per_head else \
+                (self.n_heads * self.head_dim, self.n_kv * self.head_dim)
+            self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps)
+        self.clip_qkv = cfg.clip_qkv
         self.softcap = cfg.attn_logit_softcapping
         self.window = cfg.sliding_window
         self.scale = self.head_dim ** -0.5
@@ -54,9 +61,15 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: DenseMask | PagedAttentionMetadata,
                 kv_cache: PagedKVCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
-        qkv = self.qkv_proj(x).view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim)
+        qkv = self.qkv_proj(x)
+        if hasattr(self, "q_norm") and not self.qk_norm_per_head:
+            q, k, v = qkv.split([self.n_heads * self.head_dim] + [self.n_kv * self.head_dim] * 2, dim=-1)
+            qkv = torch.cat([self.q_norm(q), self.k_norm(k), v], dim=-1)
+        if self.clip_qkv is not None:
+            qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
+        qkv = qkv.view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim)
         qk, v = qkv[:, :, :self.n_heads + self.n_kv], qkv[:, :, self.n_heads + self.n_kv:]
-        if hasattr(self, "q_norm"):
+        if hasattr(self, "q_norm") and self.qk_norm_per_head:
             q, k = qk.split([self.n_heads, self.n_kv], dim=2)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
         qk = apply_rotary(qk, cos, sin)  # (B, T, H + H_kv, D)
@@ -64,6 +77,72 @@ class Attention(nn.Module):
         out = attend(q, k, v, attn, kv_cache, self.layer_idx, scale=self.scale, softcap=self.softcap,
                      window=self.window)
         return self.o_proj(out.reshape(B, T, self.n_heads * self.head_dim))
+
+
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2/V3). Each token's keys and values come from one
+    kv_lora_rank latent (`kv_a_proj_with_mqa` → RMSNorm) through `kv_b_proj`, plus a single
+    qk_rope_head_dim key part that carries RoPE and is shared by every head; queries go through
+    an optional low-rank bottleneck (`q_a_proj` → RMSNorm → `q_b_proj`).
+
+    Whole sequences (training, scoring) expand the latent into per-head keys and values, as the
+    paper writes it. Over the paged cache only the latent and the RoPE key are stored, and
+    `kv_b_proj` is absorbed instead: its key half folds into each head's query (q·W_k·c = (W_kᵀq)·c)
+    and its value half applies after attention, so the heads attend, like multi-query attention,
+    to one (kv_lora_rank + qk_rope_head_dim) entry per token whose first kv_lora_rank values are
+    also its value."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        d, h = cfg.hidden_size, cfg.num_attention_heads
+        self.n_heads, self.rank, self.interleave = h, cfg.kv_lora_rank, cfg.rope_interleave
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(d, h * cfg.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(d, cfg.q_lora_rank, bias=cfg.qkv_bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)  # transformers' fixed epsilon for both bottlenecks
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(d, self.rank + self.rope, bias=cfg.qkv_bias)
+        self.kv_a_layernorm = RMSNorm(self.rank, 1e-6)
+        self.kv_b_proj = nn.Linear(self.rank, h * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(h * self.v_dim, d, bias=cfg.o_bias)
+        self.scale = cfg.qk_head_dim ** -0.5 * _yarn_softmax_scale(cfg.rope_scaling)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: DenseMask | PagedAttentionMetadata,
+                kv_cache: PagedKVCache | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_rot = q.view(B, T, self.n_heads, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
+        latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
+        latent, k_rot = self.kv_a_layernorm(latent)[:, :, None], k_rot[:, :, None]  # one "head" each
+        if self.interleave:  # rotate adjacent pairs: gather evens then odds, the same permutation for q and k
+            q_rot, k_rot = (torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1) for t in (q_rot, k_rot))
+        q_rot, k_rot = apply_rotary(q_rot, cos, sin), apply_rotary(k_rot, cos, sin)
+        w_k, w_v = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.rank).split(
+            [self.nope, self.v_dim], dim=1)
+        if isinstance(attn, PagedAttentionMetadata):
+            query = torch.cat([torch.einsum("bthn,hnr->bthr", q_nope, w_k), q_rot], dim=-1)
+            entry = torch.cat([latent, k_rot], dim=-1)  # (B, T, 1, rank + rope): what the cache holds
+            out = attend(query, entry, entry[..., :self.rank], attn, kv_cache, self.layer_idx, scale=self.scale,
+                         softcap=None, window=None)
+            out = torch.einsum("bthr,hvr->bthv", out, w_v)
+        else:
+            k_nope, v = self.kv_b_proj(latent[:, :, 0]).view(B, T, self.n_heads, -1).split([self.nope, self.v_dim], -1)
+            k = torch.cat([k_nope, k_rot.expand(B, T, self.n_heads, self.rope)], dim=-1)
+            out = attend(torch.cat([q_nope, q_rot], dim=-1), k, v, attn, None, self.layer_idx, scale=self.scale,
+                         softcap=None, window=None)
+        return self.o_proj(out.reshape(B, T, self.n_heads * self.v_dim))
+
+
+def _yarn_softmax_scale(rope_scaling: dict | None) -> float:
+    """DeepSeek's YaRN also sharpens the softmax: its scale is multiplied by mscale(factor, mscale_all_dim)²."""
+    if not rope_scaling or rope_scaling.get("rope_type") != "yarn" or not rope_scaling.get("mscale_all_dim"):
+        return 1.0
+    factor = rope_scaling["factor"]
+    mscale = 0.1 * rope_scaling["mscale_all_dim"] * math.log(factor) + 1.0 if factor > 1 else 1.0
+    return mscale * mscale
 
 
 class MLP(nn.Module):
@@ -108,37 +187,103 @@ class Experts(nn.Module):
         return torch.zeros_like(x).index_add_(0, order // k, y)
 
 
-class MoE(nn.Module):
-    """Sparse mixture of experts: a linear router scores the experts per token (softmax), the
-    top num_experts_per_tok run (`Experts`) and their outputs are summed, weighted by those
-    probabilities (renormalised to sum to 1 with norm_topk_prob: Mixtral). Qwen2-MoE adds a
-    shared expert that every token passes through, scaled by sigmoid(shared_expert_gate(x)).
+class Router(nn.Linear):
+    """Scores the experts for each token and picks its top k (`route`); the weight is HF's
+    `mlp.gate.weight`.
 
-    In training with a router loss weighted (cfg.router_aux_loss_coef, router_z_loss_coef),
+    Scores are a softmax (Mixtral, Qwen, OLMoE, DeepSeek-V2) or a sigmoid (DeepSeek-V3) of the
+    logits. Group-limited routing first keeps the topk_group best of n_group equal expert groups
+    (a group scores its best expert, V2, or its best two, V3) and picks the top k inside them. A
+    "noaux_tc" router adds `e_score_correction_bias` to the scores for the choice only — the
+    weights stay the raw scores — which is how auxiliary-loss-free balancing steers load
+    (`balance_experts`). Chosen weights are optionally renormalised, then scaled."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.scaling = cfg.routed_scaling_factor
+        self.sigmoid, self.method = cfg.scoring_func == "sigmoid", cfg.topk_method
+        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
+        self.bias_update_rate = cfg.router_bias_update_rate
+        if self.method == "noaux_tc":
+            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts))
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(N, E) router logits → each token's expert weights and expert ids, both (N, k)."""
+        scores = logits.float().sigmoid() if self.sigmoid else logits.float().softmax(dim=-1)
+        choice = scores + self.e_score_correction_bias if self.method == "noaux_tc" else scores
+        if self.method != "greedy" and self.n_group > 1:
+            groups = choice.view(len(choice), self.n_group, -1)
+            group_score = groups.topk(2, dim=-1).values.sum(-1) if self.method == "noaux_tc" else groups.amax(-1)
+            dropped = torch.ones_like(group_score, dtype=torch.bool).scatter_(
+                1, group_score.topk(self.topk_group, dim=-1).indices, False)
+            choice = choice.masked_fill(dropped.repeat_interleave(groups.shape[-1], dim=1), float("-inf"))
+        expert = choice.topk(self.top_k, dim=-1).indices
+        weight = scores.gather(1, expert)
+        if self.normalize:
+            weight = weight / (weight.sum(dim=-1, keepdim=True) + 1e-20)
+        return weight * self.scaling if self.scaling != 1.0 else weight, expert
+
+
+class MoE(nn.Module):
+    """Sparse mixture of experts: the `Router` picks each token's top num_experts_per_tok experts,
+    they run (`Experts`), and their outputs are summed with the router's weights. Qwen2-MoE adds a
+    shared expert every token passes through, scaled by sigmoid(shared_expert_gate(x)); DeepSeek
+    adds n_shared_experts ungated (`shared_experts`, one MLP of their total width).
+
+    In training, `expert_load` counts the tokens each expert received since `balance_experts`
+    last read it, and with a router loss weighted (cfg.router_aux_loss_coef, router_z_loss_coef)
     `router_logits` keeps the last forward's (N, E) router logits for `router_aux_loss`."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.top_k = cfg.num_experts_per_tok
         self.aux_loss_coef, self.z_loss_coef = cfg.router_aux_loss_coef, cfg.router_z_loss_coef
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.gate = Router(cfg)
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = MLP(cfg, cfg.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        elif cfg.n_shared_experts:
+            self.shared_experts = MLP(cfg, cfg.shared_experts_intermediate_size)
+        self.register_buffer("expert_load", torch.zeros(cfg.num_experts), persistent=False)
         self.router_logits: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         logits = self.gate(flat)
-        weight, expert = torch.topk(logits.float().softmax(dim=-1), self.top_k, dim=-1)
-        if self.normalize:
-            weight = weight / weight.sum(dim=-1, keepdim=True)
+        weight, expert = self.gate.route(logits)
         out = self.experts(flat, expert, weight)
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        elif hasattr(self, "shared_experts"):
+            out = out + self.shared_experts(flat)
+        if self.training:
+            self.expert_load += torch.bincount(expert.flatten(), minlength=len(self.expert_load))
         self.router_logits = logits if self.training and (self.aux_loss_coef or self.z_loss_coef) else None
         return out.view_as(x)
+
+
+@torch.no_grad()
+def balance_experts(model: nn.Module, mean_over_ranks=None) -> list[torch.Tensor]:
+    """Read and reset every MoE layer's expert load since the last call, as fractions of the
+    routed (token, expert) pairs per layer, and apply auxiliary-loss-free balancing (DeepSeek-V3):
+    a router with a bias update rate γ moves each expert's bias by γ·sign(mean load − load), so
+    an overloaded expert is chosen less from the next step on, without a loss term pulling on the
+    router's gradients. `mean_over_ranks` (data parallelism) averages the counts first, so every
+    rank applies the same update."""
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    if not layers:
+        return []
+    loads = torch.stack([m.expert_load for m in layers])
+    if mean_over_ranks is not None:
+        loads = mean_over_ranks(loads)
+    for m, load in zip(layers, loads):
+        m.expert_load.zero_()
+        rate = m.gate.bias_update_rate
+        if rate and load.sum() > 0:
+            m.gate.e_score_correction_bias += rate * torch.sign(load.mean() - load)
+    return list(loads / loads.sum(dim=-1, keepdim=True).clamp(min=1))
 
 
 def load_balancing_loss(router_logits: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -175,7 +320,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx)
+        self.self_attn = LatentAttention(cfg, layer_idx) if cfg.kv_lora_rank else Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg)
 

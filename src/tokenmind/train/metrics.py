@@ -48,7 +48,8 @@ CPU_PEAK_BF16, CPU_PEAK_FP32 = 1.0e12, 9.0e10
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training (forward + backward) model FLOPs per token; see the module docstring."""
     n = cfg.num_active_parameters - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
-    attention = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq_len
+    per_head = (cfg.qk_head_dim + cfg.v_head_dim) / 2 if cfg.kv_lora_rank else cfg.head_dim  # q·k and p·v widths
+    attention = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * per_head * seq_len
     return 6.0 * n + attention
 
 
@@ -148,6 +149,45 @@ def plot_loss(jsonl_path: str | Path, png_path: str | Path) -> Path:
     axes.grid(alpha=0.3)
     if train or val:
         axes.legend()
+    png_path = Path(png_path)
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(png_path, dpi=120)
+    return png_path
+
+
+def expert_load_stats(loads: list[torch.Tensor]) -> dict[str, Any]:
+    """A step's expert-load record for metrics.jsonl: `expert_load`, each MoE layer's share of
+    routed tokens per expert (the histogram), and `expert_load_max`, the busiest expert's share
+    times the number of experts over all layers (1.0 = perfectly even; E = one expert takes all)."""
+    if not loads:
+        return {}
+    return {"expert_load": [[round(float(x), 5) for x in layer] for layer in loads],
+            "expert_load_max": max(float(layer.max()) * len(layer) for layer in loads)}
+
+
+def plot_expert_load(jsonl_path: str | Path, png_path: str | Path) -> Path:
+    """Expert utilisation of a mixture-of-experts run, as a PNG: the busiest expert's load relative
+    to an even split over the steps (left), and the last logged load of every expert per layer (right)."""
+    records = [r for r in read_jsonl(jsonl_path, missing_ok=True) if "expert_load" in r]
+    figure = Figure(figsize=(11, 4.5), layout="tight")
+    trend, last = figure.add_subplot(1, 2, 1), figure.add_subplot(1, 2, 2)
+    if records:
+        steps = [r["step"] for r in records]
+        for i in range(len(records[-1]["expert_load"])):
+            trend.plot(steps, [max(r["expert_load"][i]) * len(r["expert_load"][i]) for r in records],
+                       label=f"MoE layer {i}", linewidth=1)
+        final = records[-1]["expert_load"]
+        width = 0.8 / len(final)
+        for i, layer in enumerate(final):
+            last.bar([e + (i + 0.5) * width - 0.4 for e in range(len(layer))], layer, width=width,
+                     label=f"MoE layer {i}")
+        last.set_xticks(range(len(final[0])))
+        last.axhline(1 / len(final[0]), color="black", linestyle="--", linewidth=1, label="even")
+        trend.legend(fontsize="small")
+        last.legend(fontsize="small")
+    trend.axhline(1.0, color="black", linestyle="--", linewidth=1)
+    trend.set(xlabel="step", ylabel="busiest expert's load / even load", title="load imbalance")
+    last.set(xlabel="expert", ylabel="share of routed tokens", title="expert load at the last step")
     png_path = Path(png_path)
     png_path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(png_path, dpi=120)

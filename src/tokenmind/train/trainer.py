@@ -50,7 +50,7 @@ from tokenmind.data.shards import TokenShards
 from tokenmind.model.checkpoint import save_hf_dir
 from tokenmind.model.load import load_tokenizer
 from tokenmind.model.lora import lora_layers, save_adapter
-from tokenmind.model.transformer import Transformer
+from tokenmind.model.transformer import Transformer, balance_experts
 
 from .checkpoint import TrainingState, capture_rng, latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
 from .config import RunConfig, save_resolved
@@ -65,7 +65,15 @@ from .distributed import (
     optimizer_state,
     wrap_model,
 )
-from .metrics import MetricsLogger, default_peak_flops, flops_per_token, mfu, plot_loss
+from .metrics import (
+    MetricsLogger,
+    default_peak_flops,
+    expert_load_stats,
+    flops_per_token,
+    mfu,
+    plot_expert_load,
+    plot_loss,
+)
 from .objectives import LossTerms, NextTokenObjective, Objective
 from .optim import build_optimizer
 from .schedule import build_scheduler
@@ -228,7 +236,8 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return {**stats, "lr": lr, "grad_norm": grad_norm}
+        loads = balance_experts(self.model, self.ctx.mean)  # a mixture of experts' load, and its bias update
+        return {**stats, "lr": lr, "grad_norm": grad_norm, **expert_load_stats(loads)}
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float] | None:
@@ -310,6 +319,8 @@ class Trainer:
         plot_path = self.out_dir / "loss.png"
         if ctx.is_main:
             plot_loss(metrics_path, plot_path)
+            if self.model.cfg.num_experts:
+                plot_expert_load(metrics_path, self.out_dir / "expert_load.png")
         speed = timed_tokens / timed_seconds if timed_seconds else 0.0
         return TrainResult(
             steps=self.step, tokens_seen=self.tokens_seen, final_loss=losses[-1] if losses else None,
