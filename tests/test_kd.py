@@ -289,7 +289,8 @@ def test_demo_config_loads_and_bad_options_name_the_fix(setup, tmp_path: Path) -
     for options, match in [(["--distill.mode=online"], "choose one of offline, gkd"),
                            (["--distill.layers=[0,1]"], "not both"),
                            (["--distill.beta=1.5"], r"distill.beta must be in \[0, 1\]"),
-                           (["--distill.mode=gkd", "--train.distributed=fsdp"], "use --train.distributed=ddp")]:
+                           (["--distill.mode=gkd", "--train.distributed=fsdp"], "use --train.distributed=ddp"),
+                           (["--distill.mode=gkd", "--train.distributed=ep"], "distributed=ep shards")]:
         with pytest.raises(ValueError, match=match):
             kd_config(setup, tmp_path, *options)
     other = ModelConfig(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=1,

@@ -161,10 +161,12 @@ class MLP(nn.Module):
 
 class Experts(nn.Module):
     """num_experts SwiGLU MLPs stored as 3-D tensors, the layout of `transformers` 5:
-    gate_up_proj (E, 2·f, d) and down_proj (E, d, f)."""
+    gate_up_proj (E, 2·f, d) and down_proj (E, d, f). Expert parallelism
+    (`train/expert_parallel.py`) holds a slice of them and overrides only `run_grouped`."""
 
     def __init__(self, num_experts: int, d: int, f: int):
         super().__init__()
+        self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * f, d))
         self.down_proj = nn.Parameter(torch.empty(num_experts, d, f))
 
@@ -177,14 +179,20 @@ class Experts(nn.Module):
         pairs = expert.flatten()
         order = pairs.argsort(stable=True)
         rows = x[order // k]  # the tokens, grouped by expert
-        counts = torch.bincount(pairs, minlength=self.gate_up_proj.shape[0]).tolist()
-        outs = []
-        for e, group in enumerate(rows.split(counts)):
-            if len(group):
-                gate, up = F.linear(group, self.gate_up_proj[e]).chunk(2, dim=-1)
-                outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
-        y = torch.cat(outs) * weight.flatten()[order, None].to(x.dtype)
+        counts = torch.bincount(pairs, minlength=self.num_experts)
+        y = self.run_grouped(rows, counts) * weight.flatten()[order, None].to(x.dtype)
         return torch.zeros_like(x).index_add_(0, order // k, y)
+
+    def run_grouped(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """rows (N·k, d) grouped by expert, counts[e] of them for expert e → each row's expert
+        output, in the same order. Experts with no rows are skipped (decode routes few tokens)."""
+        outs = [self.expert(e, group) for e, group in enumerate(rows.split(counts.tolist())) if len(group)]
+        return torch.cat(outs)
+
+    def expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        """Expert e's SwiGLU over its rows (n, d) → (n, d)."""
+        gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj[e])
 
 
 class Router(nn.Linear):

@@ -289,9 +289,9 @@ class KDConfig:
 
     def __post_init__(self) -> None:
         check_schedule_fits(self.schedule, self.train)
-        if self.distill.mode == "gkd" and self.train.distributed == "fsdp":
-            raise ValueError("distill.mode=gkd samples from the whole student, which fsdp shards; use "
-                             "--train.distributed=ddp or none")
+        if self.distill.mode == "gkd" and self.train.distributed in ("fsdp", "ep"):
+            raise ValueError(f"distill.mode=gkd samples from the whole student, which "
+                             f"train.distributed={self.train.distributed} shards; use --train.distributed=ddp or none")
 
 
 def load_kd_config(path: str | Path | None = None, overrides: Overrides = (),

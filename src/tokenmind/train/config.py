@@ -125,7 +125,8 @@ class TrainSection:
         the precision: on this project's 2-core CPU a 1024³ matmul runs ~1.0e12 FLOP/s in bf16
         (AMX) and ~9e10 in fp32; on H100/H200, the dense datasheet peaks (989e12 bf16).
     resume: continue from the newest checkpoint in out_dir if there is one.
-    distributed: none, ddp or fsdp (FSDP2); ddp/fsdp need the torchrun environment.
+    distributed: none, ddp, fsdp (FSDP2) or ep (ddp with a mixture of experts' experts split
+        across the ranks, `expert_parallel.py`); ddp/fsdp/ep need the torchrun environment.
     device: auto (cuda when available, else cpu), cpu or cuda.
     """
 
@@ -149,7 +150,7 @@ class TrainSection:
 
     def __post_init__(self) -> None:
         _choice("train", "precision", self.precision, ("fp32", "bf16"))
-        _choice("train", "distributed", self.distributed, ("none", "ddp", "fsdp"))
+        _choice("train", "distributed", self.distributed, ("none", "ddp", "fsdp", "ep"))
         _choice("train", "device", self.device, ("auto", "cpu", "cuda"))
         for name in ("steps", "grad_accum", "log_every", "eval_batches"):
             _check(getattr(self, name) >= 1, f"train.{name} must be >= 1, got {getattr(self, name)}")

@@ -8,11 +8,13 @@ The trainer is written once for N ranks and this module makes N = 1 the same cod
 * fsdp: FSDP2 (`torch.distributed.fsdp.fully_shard`): each block's parameters, gradients and
   optimizer state are sharded across ranks and all-gathered just in time for its forward and
   backward; memory per rank falls ~N-fold. Parameters become `DTensor`s.
+* ep: for a mixture of experts, ddp with each MoE layer's experts split across the ranks and
+  tokens sent to them by all-to-all (`expert_parallel.py`).
 
 Either way the optimizer sees the average gradient of the global batch, so N ranks with B/N
 rows each follow the single-process loss curve of batch B. Checkpoints hold *full* (unsharded)
 state with plain parameter names, gathered through `torch.distributed.checkpoint.state_dict`,
-so a run saved under ddp can resume under fsdp and back (at the same world size: the
+so a run saved under ddp can resume under fsdp or ep and back (at the same world size: the
 data-loader position is per rank). torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR, MASTER_PORT) drives initialization; gloo serves CPU and nccl CUDA.
 """
@@ -39,6 +41,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
+
+from .expert_parallel import expert_data_parallel, gather_experts, local_experts
 
 
 @dataclass
@@ -90,7 +94,7 @@ def init_distributed(strategy: str, device_preference: str = "auto") -> DistCont
     if strategy == "none":
         if env_world > 1:
             raise RuntimeError(f"started as {env_world} processes but train.distributed=none; "
-                               "set --train.distributed=ddp or fsdp")
+                               "set --train.distributed=ddp, fsdp or ep")
         return DistContext(strategy, resolve_device(device_preference))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(device_preference, local_rank)
@@ -109,7 +113,8 @@ def init_distributed(strategy: str, device_preference: str = "auto") -> DistCont
 
 
 def wrap_model(model: nn.Module, ctx: DistContext) -> nn.Module:
-    """Shard `model` in place (fsdp) or wrap it (ddp); returns the module to call for training.
+    """Shard `model` in place (fsdp), wrap it (ddp) or both (ep: the experts sharded, the rest
+    wrapped); returns the module to call for training.
 
     FSDP2 shards each block separately (so only one block is unsharded at a time), then the
     root, which keeps the embeddings, final norm and LM head.
@@ -119,9 +124,11 @@ def wrap_model(model: nn.Module, ctx: DistContext) -> nn.Module:
             fully_shard(layer)
         fully_shard(model)
         return model
+    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     if ctx.strategy == "ddp":
-        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids)
+    if ctx.strategy == "ep":
+        return expert_data_parallel(model, device_ids)
     return model
 
 
@@ -138,10 +145,22 @@ def grad_sync(wrapped: nn.Module, enabled: bool) -> Iterator[None]:
     yield
 
 
-def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Clip to `max_norm` (0 = measure only); returns the global pre-clip norm on every rank."""
-    norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm if max_norm > 0 else float("inf"))
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float,
+                   sharded: list[nn.Parameter] | None = None) -> torch.Tensor:
+    """Clip to `max_norm` (0 = measure only); returns the global pre-clip norm on every rank.
+    sharded: those of `parameters` that each rank holds a different part of (expert-parallel
+    experts): their squares are summed over the ranks."""
+    if not sharded:
+        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm if max_norm > 0 else float("inf"))
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    own = {id(p) for p in sharded}
+    square = torch.nn.utils.get_total_norm([p.grad for p in sharded if p.grad is not None]).square()
+    dist.all_reduce(square)
+    replicated = [p.grad for p in parameters if p.grad is not None and id(p) not in own]
+    norm = (square + torch.nn.utils.get_total_norm(replicated).square()).sqrt()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
+    return norm
 
 
 def _options(ctx: DistContext, loading: bool) -> StateDictOptions:
@@ -155,22 +174,31 @@ def model_state(model: nn.Module, ctx: DistContext, trainable_only: bool = False
     """Full model state keyed by parameter name, on CPU (on rank 0 only under fsdp). Collective.
     trainable_only: just the parameters that train (a LoRA run's adapters, not its frozen base)."""
     state = get_model_state_dict(model, options=_options(ctx, loading=False))
+    if ctx.strategy == "ep":
+        state = gather_experts(model, state)
     keep = {name for name, p in model.named_parameters() if p.requires_grad} if trainable_only else state
     return {name: tensor.detach().cpu() for name, tensor in state.items() if name in keep}
 
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> dict[str, Any]:
     """Full optimizer state keyed by parameter name (rank 0 only under fsdp). Collective."""
-    return get_optimizer_state_dict(model, optimizer, options=_options(ctx, loading=False))
+    state = get_optimizer_state_dict(model, optimizer, options=_options(ctx, loading=False))
+    if ctx.strategy == "ep":
+        state = {**state, "state": gather_experts(model, state["state"])}
+    return state
 
 
 def load_model_state(model: nn.Module, state: dict[str, torch.Tensor], ctx: DistContext, strict: bool = True) -> None:
     """Inverse of `model_state` (strict=False for a trainable-only state); under fsdp only rank 0's
     `state` is read."""
+    if ctx.strategy == "ep":
+        state = local_experts(model, state)
     set_model_state_dict(model, state, options=dataclasses.replace(_options(ctx, loading=True), strict=strict))
 
 
 def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
                          ctx: DistContext) -> None:
     """Inverse of `optimizer_state`; under fsdp only rank 0's `state` is read."""
+    if ctx.strategy == "ep":
+        state = {**state, "state": local_experts(model, state["state"])}
     set_optimizer_state_dict(model, optimizer, state, options=_options(ctx, loading=True))

@@ -65,6 +65,7 @@ from .distributed import (
     optimizer_state,
     wrap_model,
 )
+from .expert_parallel import sharded_parameters
 from .metrics import (
     MetricsLogger,
     default_peak_flops,
@@ -160,6 +161,8 @@ class Trainer:
         self.model = model  # the module whose state we save (sharded in place under fsdp)
         self.wrapped = wrap_model(model, ctx)  # the module we call in training
         self.params = [p for p in model.parameters() if p.requires_grad]
+        sharded = sharded_parameters(model)  # expert parallelism: each rank holds other experts
+        self.sharded_params = [p for name, p in model.named_parameters() if name in sharded and p.requires_grad]
         self.frozen_base = len(self.params) < len(list(model.parameters()))  # checkpoints hold only what trains
         self.adapter_base = adapter_base
         self.optimizer = build_optimizer(model, cfg.optim)
@@ -224,7 +227,7 @@ class Trainer:
         count, stats = self._per_unit(total)
         grads = [p.grad for p in self.params if p.grad is not None]
         torch._foreach_div_(grads, count)  # DDP/FSDP averaged the ranks' gradients: divide by the per-rank mean count
-        grad_norm = float(clip_grad_norm(self.params, self.cfg.optim.grad_clip))
+        grad_norm = float(clip_grad_norm(self.params, self.cfg.optim.grad_clip, self.sharded_params))
         if not (math.isfinite(stats["loss"]) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
             last = latest_checkpoint(self.checkpoint_root)
@@ -265,7 +268,7 @@ class Trainer:
         state = model_state(self.model, self.ctx)  # collective under fsdp
         if self.ctx.is_main:
             model = self.model
-            if self.ctx.strategy == "fsdp":  # parameters are shards; build a whole copy
+            if self.ctx.strategy in ("fsdp", "ep"):  # parameters (or experts) are shards; build a whole copy
                 model = type(self.model)(self.model.cfg)
                 model.load_state_dict(state)
             save_hf_dir(model, path, tokenizer=self.tokenizer)
