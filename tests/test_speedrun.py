@@ -65,13 +65,40 @@ def test_speedrun_end_to_end_on_local_data(tmp_path):
     before = (run / "pretrain" / "metrics.jsonl").read_text()
     speedrun(load_speedrun_config(str(cfg_path)))
     assert (run / "pretrain" / "metrics.jsonl").read_text() == before
+    # A mixture-of-experts variant of the same recipe (`base`), its loss drawn beside the dense run's.
+    moe_path = tmp_path / "mini-moe.yaml"
+    moe_path.write_text(yaml.safe_dump({
+        "base": str(cfg_path), "name": "mini-moe", "out_dir": str(tmp_path / "moe"), "compare_with": str(run),
+        "pretrain": {"model": {"model_type": "mixtral", "intermediate_size": 64, "num_experts": 4,
+                               "num_experts_per_tok": 2, "router_aux_loss_coef": 0.01}}}))
+    moe_cfg = load_speedrun_config(str(moe_path))
+    assert moe_cfg.pretrain.train.steps == 12 and moe_cfg.pretrain.model.hidden_size == 64  # from the base
+    text = speedrun(moe_cfg).read_text()
+    assert "![loss comparison](pretrain/loss_comparison.png)" in text and "![expert load]" in text
+    assert "4 experts, top 2 per token" in text
+    assert (tmp_path / "moe" / "pretrain" / "loss_comparison.png").stat().st_size > 10_000
+    assert (tmp_path / "moe" / "pretrain" / "expert_load.png").exists()
 
 
 def test_unknown_config_names_the_choices():
     import pytest
 
-    with pytest.raises(FileNotFoundError, match="cpu, cpu_v1, gpu"):
+    with pytest.raises(FileNotFoundError, match="cpu, cpu-moe, cpu_v1, gpu"):
         load_speedrun_config("no-such-config")
+
+
+def test_the_moe_speedrun_is_the_cpu_recipe_with_experts_of_the_same_active_width():
+    moe, dense = load_speedrun_config("cpu-moe"), load_speedrun_config("cpu")
+    assert moe.base == "cpu" and moe.out_dir == "runs/cpu-moe" and moe.compare_with == "runs/cpu"
+    assert moe.pretrain.data == dense.pretrain.data.__class__(**{**vars(dense.pretrain.data),
+                                                                 "shards": "runs/cpu-moe/shards",
+                                                                 "tokenizer": "runs/cpu-moe/tokenizer"})
+    assert moe.pretrain.train.steps == dense.pretrain.train.steps and moe.sft_sources == dense.sft_sources
+    m, d = moe.pretrain.model, dense.pretrain.model
+    assert (m.model_type, m.num_experts, m.num_experts_per_tok) == ("mixtral", 8, 2) and d.model_type == "llama"
+    router = m.num_hidden_layers * m.hidden_size * m.num_experts
+    assert m.num_active_parameters - router == d.num_active_parameters  # same MLP width per token
+    assert m.num_parameters > 2.5 * d.num_parameters
 
 
 def test_speedrun_chat_recipe_builds_the_mix_and_scores_chat_along_the_run(tmp_path):

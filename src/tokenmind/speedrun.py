@@ -39,6 +39,7 @@ class SpeedrunConfig:
     """
 
     name: str = "cpu"
+    base: str | None = None  # a packaged config (or YAML path) this one starts from; its own keys win
     description: str = ""  # why the recipe is what it is: shown at the top of the report card
     out_dir: str = "runs/cpu"
     data_dir: str = "data"
@@ -53,6 +54,7 @@ class SpeedrunConfig:
     chat_eval: bool = False  # score chat quality on the held-out prompts, at checkpoints and at the end
     chat_baseline: str | None = None  # earlier answers the final model is judged against (e.g. cpu_v1)
     chat_judge: str = "smollm2"  # the model that scores fluency and preference
+    compare_with: str | None = None  # another speedrun's out_dir: its pre-training loss curve is drawn beside ours
     pretrain: RunConfig = field(default_factory=RunConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -62,14 +64,25 @@ class SpeedrunConfig:
 
 def load_speedrun_config(name_or_path: str = "cpu", overrides: Overrides = ()) -> SpeedrunConfig:
     """A packaged config by name (`cpu`, `gpu`) or a YAML path, then overrides such as
-    `pretrain.train.steps=10`; a misspelt key anywhere fails here, not when its stage starts."""
+    `pretrain.train.steps=10`; a misspelt key anywhere fails here, not when its stage starts. A
+    config with `base: <name>` starts from that config's values, key by key."""
+    values = read_config(SpeedrunConfig, _config_path(name_or_path), overrides)
+    if values.get("base"):
+        base = read_config(SpeedrunConfig, _config_path(values["base"]))
+        if base.get("base"):
+            raise ValueError(f"speedrun config {values['base']!r} has a base of its own; one level of base only")
+        values = {**base, **values}
+    return build_config(SpeedrunConfig, stage_paths(values))
+
+
+def _config_path(name_or_path: str) -> Path:
     path = Path(name_or_path)
     if not path.exists():
         path = CONFIG_DIR / f"speedrun_{name_or_path}.yaml"
     if not path.exists():
         known = sorted(p.stem.removeprefix("speedrun_") for p in CONFIG_DIR.glob("speedrun_*.yaml"))
         raise FileNotFoundError(f"no speedrun config {name_or_path!r}: give a YAML path or one of {', '.join(known)}")
-    return build_config(SpeedrunConfig, stage_paths(read_config(SpeedrunConfig, path, overrides)))
+    return path
 
 
 def stage_paths(values: dict[str, Any]) -> dict[str, Any]:
@@ -297,7 +310,7 @@ def write_report(cfg: SpeedrunConfig, out: Path, timings: dict, tok: dict, data:
              f"- {pre['steps']} steps, {pre['tokens_seen']:,} tokens seen, {pre['tokens_per_s']:,.0f} tokens/s, "
              f"MFU {100 * (pre['mfu'] or 0):.1f}%",
              f"- final train loss {loss(pre['final_loss'])}, validation loss {loss(pre['final_val_loss'])}", "",
-             "![pre-training loss](pretrain/loss.png)", "", "## SFT", "",
+             "![pre-training loss](pretrain/loss.png)", "", *model_comparison(cfg, out), "## SFT", "",
              f"- {post['steps']} steps, final train loss {loss(post['final_loss'])}, "
              f"validation loss {loss(post['final_val_loss'])}", "", "![SFT loss](sft/loss.png)", "",
              "## Evaluation", "", "| task | n | metric | value |", "| --- | ---: | --- | ---: |"]
@@ -317,6 +330,29 @@ def write_report(cfg: SpeedrunConfig, out: Path, timings: dict, tok: dict, data:
     tmp.write_text("\n".join(lines) + "\n")
     tmp.replace(path)
     return path
+
+
+def model_comparison(cfg: SpeedrunConfig, out: Path) -> list[str]:
+    """Report lines for a mixture of experts (the expert-utilisation plot) and for a run compared
+    with another (both pre-training loss curves in one plot, `pretrain/loss_comparison.png`)."""
+    from .train.metrics import plot_loss_curves
+
+    lines = []
+    pre = Path(cfg.pretrain.train.out_dir)
+    if cfg.pretrain.model.num_experts:
+        model = cfg.pretrain.model
+        lines += [f"- mixture of experts: {model.num_experts} experts, top {model.num_experts_per_tok} per token; "
+                  f"{model.num_active_parameters:,} of {model.num_parameters:,} parameters active per token", "",
+                  f"![expert load]({(pre / 'expert_load.png').relative_to(out)})", ""]
+    if cfg.compare_with:
+        other = Path(cfg.compare_with) / "pretrain" / "metrics.jsonl"
+        if not other.exists():
+            return lines + [f"(no loss comparison: {other} is missing; run that speedrun first)", ""]
+        png = plot_loss_curves({Path(cfg.compare_with).name: other, cfg.name: pre / "metrics.jsonl"},
+                               pre / "loss_comparison.png")
+        lines += [f"Pre-training loss beside `{cfg.compare_with}`:", "", f"![loss comparison]({png.relative_to(out)})",
+                  ""]
+    return lines
 
 
 def chat_section(chat: dict[str, Any]) -> list[str]:

@@ -254,7 +254,10 @@ class MoE(nn.Module):
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         elif cfg.n_shared_experts:
             self.shared_experts = MLP(cfg, cfg.shared_experts_intermediate_size)
-        self.register_buffer("expert_load", torch.zeros(cfg.num_experts), persistent=False)
+        # counts (an integer survives model.to(bf16)); on the CPU even in the loader's meta skeleton,
+        # like RoPE's frequencies, since no checkpoint holds it
+        self.register_buffer("expert_load", torch.zeros(cfg.num_experts, dtype=torch.long, device="cpu"),
+                             persistent=False)
         self.router_logits: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -283,7 +286,7 @@ def balance_experts(model: nn.Module, mean_over_ranks=None) -> list[torch.Tensor
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     if not layers:
         return []
-    loads = torch.stack([m.expert_load for m in layers])
+    loads = torch.stack([m.expert_load for m in layers]).float()
     if mean_over_ranks is not None:
         loads = mean_over_ranks(loads)
     for m, load in zip(layers, loads):

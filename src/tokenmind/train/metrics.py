@@ -135,19 +135,29 @@ class MetricsLogger:
 
 def plot_loss(jsonl_path: str | Path, png_path: str | Path) -> Path:
     """Train loss per step (line) and val loss (points) from a metrics JSONL, as a PNG."""
-    records = read_jsonl(jsonl_path, missing_ok=True)
-    train = [(r["step"], r["loss"]) for r in records if "loss" in r and math.isfinite(r["loss"])]
-    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    return plot_loss_curves({"": jsonl_path}, png_path)
+
+
+def plot_loss_curves(runs: dict[str, str | Path], png_path: str | Path) -> Path:
+    """Train loss (lines) and val loss (points) of one or more runs' metrics JSONL in one PNG,
+    each run labelled by its key (runs compared on the same axes: a dense model and its MoE)."""
     figure = Figure(figsize=(8, 4.5), layout="tight")  # no pyplot: no global figure state
     axes = figure.add_subplot()
-    if train:
-        axes.plot(*zip(*train), label="train loss", linewidth=1)
-    if val:
-        axes.plot(*zip(*val), "o-", label="val loss", markersize=4)
+    drawn = False
+    for name, jsonl_path in runs.items():
+        records = read_jsonl(jsonl_path, missing_ok=True)
+        train = [(r["step"], r["loss"]) for r in records if "loss" in r and math.isfinite(r["loss"])]
+        val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+        prefix = f"{name} " if name else ""
+        if train:
+            axes.plot(*zip(*train), label=f"{prefix}train loss", linewidth=1)
+        if val:
+            axes.plot(*zip(*val), "o-", label=f"{prefix}val loss", markersize=4)
+        drawn = drawn or bool(train or val)
     axes.set_xlabel("step")
     axes.set_ylabel("loss (nats/token)")
     axes.grid(alpha=0.3)
-    if train or val:
+    if drawn:
         axes.legend()
     png_path = Path(png_path)
     png_path.parent.mkdir(parents=True, exist_ok=True)
