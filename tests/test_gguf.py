@@ -478,6 +478,103 @@ def reference_forward(sd, arch, ids, head_dim=HIDDEN // HEADS, bias=False, qk_no
     return h @ w.get("lm_head.weight", w["model.embed_tokens.weight"]).T
 
 
+# Gemma: llama.cpp's convert_hf_to_gguf.py (Gemma2Model / Gemma3Model) names the four norms of a
+# block attn_norm, post_attention_norm, ffn_norm (the MLP's pre-norm) and post_ffw_norm, adds 1 to
+# every norm weight, drops lm_head (tied), and writes no layer pattern or attention scale.
+_GEMMA_TO_GGUF = _LAYER_TO_GGUF | {"post_attention_layernorm": "post_attention_norm",
+                                   "pre_feedforward_layernorm": "ffn_norm",
+                                   "post_feedforward_layernorm": "post_ffw_norm"}
+GEMMA_LAYERS = {"gemma2": 3, "gemma3": 7}  # gemma3: layers 0-4 and 6 local, 5 global (llama.cpp's pattern of 6)
+
+
+def hf_gemma(arch: str):
+    """A random transformers Gemma whose layer pattern and attention scale are llama.cpp's derived ones."""
+    transformers = pytest.importorskip("transformers")
+    model_type = {"gemma2": "gemma2", "gemma3": "gemma3_text"}[arch]
+    config = transformers.AutoConfig.for_model(
+        model_type, vocab_size=len(TOKENS), hidden_size=HIDDEN, intermediate_size=INTER, head_dim=24,
+        num_hidden_layers=GEMMA_LAYERS[arch], num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+        query_pre_attn_scalar=24, sliding_window=3, max_position_embeddings=512, rms_norm_eps=1e-5,
+        **({"attn_logit_softcapping": 0.5, "final_logit_softcapping": 2.0, "rope_theta": 500000.0}
+           if arch == "gemma2" else {"rope_theta": 50000.0, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.3) if "norm" in name else p.mul_(10)
+    return model
+
+
+def write_gemma(path: Path, arch: str, model, qtypes=None) -> Path:
+    """The GGUF llama.cpp's converter writes for this transformers Gemma (F32 unless `qtypes` says)."""
+    c = model.config
+    meta = tiny_meta(arch) | {f"{arch}.block_count": c.num_hidden_layers, f"{arch}.attention.key_length": 24,
+                                       f"{arch}.attention.value_length": 24, f"{arch}.attention.sliding_window": 3}
+    if arch == "gemma2":
+        meta |= {"gemma2.attn_logit_softcapping": 0.5, "gemma2.final_logit_softcapping": 2.0}
+    else:
+        meta |= {"gemma3.rope.freq_base": 50000.0, "gemma3.rope.scaling.type": "linear",
+                 "gemma3.rope.scaling.factor": 4.0}
+    tensors = {}
+    for name, w in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue
+        stem, kind = name.rsplit(".", 1)
+        gguf = (f"{_TOP_TO_GGUF[stem]}.{kind}" if stem in _TOP_TO_GGUF
+                else f"blk.{stem.split('.')[2]}.{_GEMMA_TO_GGUF[stem.split('.', 3)[3]]}.{kind}")
+        w = w.numpy() + np.float32(1.0) if name.endswith("norm.weight") else w.numpy()
+        qtype = (qtypes or {}).get(name)
+        tensors[gguf] = w if qtype is None else (quantize(w, qtype), qtype)
+    return write_gguf(path, arch, meta, tensors)
+
+
+@pytest.mark.parametrize("arch", list(GEMMA_LAYERS))
+def test_gemma_round_trip_undoes_the_norm_offset_and_matches_transformers(tmp_path, arch):
+    """Tensor names, norms stored as 1 + weight, the derived layer pattern and attention scale: the
+    GGUF loads into the logits of the transformers model it came from."""
+    from tokenmind.model.checkpoint import build_model
+    from tokenmind.model.config import ModelConfig
+
+    hf = hf_gemma(arch)
+    path = write_gemma(tmp_path / "g.gguf", arch, hf, qtypes={"model.layers.0.mlp.down_proj.weight": Q.Q8_0})
+    on_disk = {t.name: t.data for t in gguf.GGUFReader(path).tensors}
+    w = hf.state_dict()["model.layers.1.post_feedforward_layernorm.weight"].numpy()
+    np.testing.assert_array_equal(on_disk["blk.1.post_ffw_norm.weight"], w + np.float32(1.0))
+
+    ckpt = read_gguf(path)
+    assert ckpt.config["layer_types"] == hf.config.layer_types
+    if arch == "gemma3":
+        assert ckpt.config["layer_types"].count("full_attention") == 1
+    loaded = ckpt.load_state_dict()
+    theirs = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    assert set(loaded) == set(theirs)
+    for name, t in theirs.items():
+        if name.endswith("norm.weight"):  # exactly what subtracting 1 from the stored 1 + w gives in float32
+            np.testing.assert_array_equal(loaded[name].numpy(), (t.numpy() + np.float32(1)) - np.float32(1))
+            np.testing.assert_allclose(loaded[name].numpy(), t.numpy(), rtol=0, atol=1e-6)  # 1 + w rounded
+        elif name != "model.layers.0.mlp.down_proj.weight":
+            assert torch.equal(loaded[name], t), name
+
+    ours = build_model(ModelConfig.from_hf(ckpt.config), loaded, source=str(path))  # as load_model does
+    assert ours.cfg.model_type == hf.config.model_type and ours.cfg.tie_word_embeddings
+    ids = torch.tensor([[1, 5, 17, 42, 99, 3, 7, 8, 60, 2, 11]])
+    with torch.no_grad():
+        hf.model.layers[0].mlp.down_proj.weight.copy_(loaded["model.layers.0.mlp.down_proj.weight"])  # Q8_0's values
+        torch.testing.assert_close(ours(ids), hf(ids).logits, atol=1e-4, rtol=0)
+
+
+def test_gemma_layer_pattern_key_and_27b_attention_scale(tmp_path):
+    """A file's own `attention.sliding_window_pattern` wins over llama.cpp's built-in pattern, and
+    a 46-layer Gemma 2 (the 27B) scales attention by hidden / heads, not head_dim."""
+    meta = tiny_meta("gemma2") | {"gemma2.block_count": 46, "gemma2.attention.key_length": 24}
+    meta["gemma2.attention.sliding_window_pattern"] = [True, True, False] * 15 + [False]
+    config = read_gguf(write_gguf(tmp_path / "p.gguf", "gemma2", meta, {})).config
+    assert config["layer_types"][:3] == ["sliding_attention", "sliding_attention", "full_attention"]
+    assert config["query_pre_attn_scalar"] == HIDDEN // HEADS
+    assert (config["attn_logit_softcapping"], config["final_logit_softcapping"], config["sliding_window"]) == (
+        50.0, 30.0, 4096)  # llama.cpp's defaults when the keys are absent
+
+
 # ---------------------------------------------------------------------------------------------
 # Errors
 # ---------------------------------------------------------------------------------------------
@@ -522,7 +619,7 @@ def test_truncated_file(tiny_llama, tmp_path):
 
 def test_unsupported_architecture(tmp_path):
     path = write_gguf(tmp_path / "bert.gguf", "bert", {"bert.block_count": 2}, {})
-    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'bert'.*llama, mistral, qwen2, qwen3"):
+    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'bert'.*llama, mistral, qwen2, qwen3, gemma2"):
         read_gguf(path)
 
 

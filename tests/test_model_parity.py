@@ -51,6 +51,14 @@ CASES = {
         qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, rope_interleave=False,
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 1.0,
                       "mscale_all_dim": 1.0}),
+    # Gemma: sandwich norms, GELU-tanh, scaled embeddings, query_pre_attn_scalar, local/global layers
+    "gemma2": dict(model_type="gemma2", hidden_act="gelu_pytorch_tanh", head_dim=24, query_pre_attn_scalar=20,
+                   sliding_window=4, layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=True,
+                   attn_logit_softcapping=0.2, final_logit_softcapping=0.5),
+    "gemma3": dict(model_type="gemma3_text", hidden_act="gelu_pytorch_tanh", qk_norm=True, query_pre_attn_scalar=12,
+                   sliding_window=3, num_hidden_layers=3, tie_word_embeddings=True, final_logit_softcapping=4.0,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"], rope_local_theta=100.0,
+                   rope_theta=50000.0, rope_scaling={"rope_type": "linear", "factor": 4.0}),
     "rope-linear": dict(model_type="llama", rope_scaling={"rope_type": "linear", "factor": 2.0}),
     "rope-dynamic": dict(model_type="llama", max_position_embeddings=8,
                          rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
@@ -138,7 +146,7 @@ def test_paged_cache_decode_matches_hf_cache(case):
 
 
 def test_attention_softcapping_matches_manual_reference():
-    """No supported HF family uses soft-capping, so check it against the formula directly."""
+    """Soft-capping checked against the formula directly (Gemma 2's cases check it against HF)."""
     cfg = ModelConfig(**{**BASE, "model_type": "llama", "attn_logit_softcapping": 2.0,
                          "final_logit_softcapping": 3.0, "num_hidden_layers": 1})
     torch.manual_seed(0)

@@ -1,9 +1,9 @@
 """`ModelConfig`: the one description of a decoder-only Transformer, and its mapping to HF `config.json`.
 
-Every supported family (Llama, Mistral, Qwen2, Qwen3, SmolLM; the mixtures of experts Mixtral,
-Qwen2-MoE, Qwen3-MoE, OLMoE, and DeepSeek-V2/V3 with multi-head latent attention) is the same
-network with a few switches, so the switches live here and the `Transformer` reads only this
-dataclass.
+Every supported family (Llama, Mistral, Qwen2, Qwen3, SmolLM, Gemma 2, Gemma 3; the mixtures of
+experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, and DeepSeek-V2/V3 with multi-head latent attention)
+is the same network with a few switches, so the switches live here and the `Transformer` reads
+only this dataclass.
 """
 
 from __future__ import annotations
@@ -13,10 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
-                         "deepseek_v2", "deepseek_v3")
+                         "deepseek_v2", "deepseek_v3", "gemma2", "gemma3_text")
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3")
 DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
+LAYER_TYPES = ("sliding_attention", "full_attention")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
 _ARCHITECTURES = {
@@ -30,6 +33,8 @@ _ARCHITECTURES = {
     "olmoe": "OlmoeForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 
@@ -89,6 +94,11 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False  # RoPE rotates adjacent pairs (x0, x1), (x2, x3), ... (DeepSeek)
+    # Gemma 2 / 3 (the family's fixed traits are the properties sandwich_norm, scale_embeddings, rms_norm_unit_offset)
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU, Gemma)
+    query_pre_attn_scalar: int | None = None  # attention scores scaled by this ** -0.5 (None → head_dim ** -0.5)
+    layer_types: list[str] | None = None  # per layer "sliding_attention" | "full_attention"; None → all slide
+    rope_local_theta: float | None = None  # Gemma 3: RoPE base of the sliding layers, unscaled (None → 10000)
     model_type: str = "llama"
     extra: dict[str, Any] = field(default_factory=dict)  # HF keys we carry through unchanged
 
@@ -156,6 +166,51 @@ class ModelConfig:
             if self.router_bias_update_rate and self.topk_method != "noaux_tc":
                 raise ValueError("router_bias_update_rate (auxiliary-loss-free balancing) steers the per-expert "
                                  "bias of topk_method='noaux_tc' routing; set topk_method='noaux_tc'")
+            if self.hidden_act != "silu":
+                raise ValueError(f"hidden_act={self.hidden_act!r}: a mixture's experts are SwiGLU MLPs; use 'silu'")
+        self._check_gemma_fields()
+
+    def _check_gemma_fields(self) -> None:
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: {', '.join(HIDDEN_ACTS)}")
+        if self.layer_types is not None:
+            if self.model_type not in GEMMA_MODEL_TYPES:
+                raise ValueError(f"layer_types (local and global layers) is Gemma's; model_type {self.model_type!r} "
+                                 "slides every layer when sliding_window is set")
+            self.layer_types = list(self.layer_types)
+            if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+                raise ValueError(f"layer_types must name one of {', '.join(LAYER_TYPES)} for each of the "
+                                 f"{self.num_hidden_layers} layers, got {self.layer_types}")
+        if self.model_type == "gemma3_text":
+            if self.attn_logit_softcapping is not None:
+                raise ValueError("transformers' Gemma 3 does not soft-cap attention scores: leave "
+                                 "attn_logit_softcapping unset for gemma3_text (final_logit_softcapping is applied)")
+            if self.rope_local_theta is None:
+                self.rope_local_theta = 10_000.0  # transformers' default rope_local_base_freq
+        elif self.rope_local_theta is not None:
+            raise ValueError(f"rope_local_theta is Gemma 3's local RoPE base; model_type {self.model_type!r} has one "
+                             "RoPE for all layers (set rope_theta)")
+
+    def is_sliding_layer(self, i: int) -> bool:
+        """Whether layer i is a local one: attends through the sliding window (when there is one) and,
+        in Gemma 3, rotates by the local RoPE. Gemma alternates local and global layers (layer_types)."""
+        return self.layer_types is None or self.layer_types[i] == "sliding_attention"
+
+    @property
+    def sandwich_norm(self) -> bool:
+        """Gemma 2/3: besides the pre-norms, each sublayer's output is normed before it joins the
+        residual stream (post-attention, post-feedforward), and the MLP has its own pre-norm."""
+        return self.model_type in GEMMA_MODEL_TYPES
+
+    @property
+    def scale_embeddings(self) -> bool:
+        """Gemma: token embeddings are multiplied by sqrt(hidden_size) (the tied LM head is not)."""
+        return self.model_type in GEMMA_MODEL_TYPES
+
+    @property
+    def rms_norm_unit_offset(self) -> bool:
+        """Gemma: RMSNorm scales by (1 + weight), so its weights are stored (and initialised) around 0."""
+        return self.model_type in GEMMA_MODEL_TYPES
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether layer i's MLP is a mixture of experts (Qwen2-MoE's sparse step and dense-only layers)."""
@@ -196,8 +251,9 @@ class ModelConfig:
         mlps = sum(moe if self.is_moe_layer(i) else dense
                    for i in range(self.num_hidden_layers))
         qk_norms = 0 if not self.qk_norm else 2 * hd if self.qk_norm_per_head else (h + kv) * hd
+        norms = (4 if self.sandwich_norm else 2) * d + qk_norms
         emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        return self.num_hidden_layers * (attn + 2 * d + qk_norms) + mlps + emb + d
+        return self.num_hidden_layers * (attn + norms) + mlps + emb + d
 
     @property
     def _mla_parameters(self) -> int:
@@ -228,6 +284,9 @@ class ModelConfig:
         if model_type == "bert":
             raise ValueError("this config.json describes a BERT encoder, not a causal LM: load it with "
                              "tokenmind.model.encoder.load_encoder (sentence embeddings)")
+        if model_type == "gemma3":
+            raise ValueError("this config.json is Gemma 3's multimodal model (Gemma3ForConditionalGeneration); "
+                             "tokenmind loads the text-only gemma3_text checkpoints (Gemma3ForCausalLM)")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"unsupported model_type {model_type!r} in config.json; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -245,10 +304,15 @@ class ModelConfig:
         known = {f.name for f in dataclasses.fields(cls)} | {
             "rope_parameters", "attention_bias", "use_sliding_window", "architectures", "torch_dtype", "dtype",
             "transformers_version", "hidden_act", "num_local_experts", "qkv_bias", "n_routed_experts",
+            "hidden_activation", "rope_local_base_freq", "sliding_window_pattern",
         }
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r}; only 'silu' (SwiGLU) is supported")
-        return cls(
+        if model_type not in GEMMA_MODEL_TYPES:
+            known.discard("layer_types")  # other families' ride along in `extra` (transformers derives them)
+        act = (hf.get("hidden_activation", "gelu_pytorch_tanh") if model_type in GEMMA_MODEL_TYPES
+               else hf.get("hidden_act", "silu"))
+        if act not in HIDDEN_ACTS:
+            raise ValueError(f"unsupported hidden_act {act!r} in config.json; supported: {', '.join(HIDDEN_ACTS)}")
+        fields = dict(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"],
@@ -264,7 +328,7 @@ class ModelConfig:
             qkv_bias=hf.get("qkv_bias", True) if model_type in ("qwen2", "qwen2_moe") else bias,
             o_bias=False if model_type in ("qwen2", "qwen2_moe") else bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe", "gemma3_text"),
             qk_norm_per_head=model_type != "olmoe",
             clip_qkv=hf.get("clip_qkv"),
             sliding_window=sliding,
@@ -272,9 +336,11 @@ class ModelConfig:
             final_logit_softcapping=hf.get("final_logit_softcapping"),
             model_type=model_type,
             extra={k: v for k, v in hf.items() if k not in known},
+            hidden_act=act,
             **_moe_from_hf(hf, model_type),
             **_mla_from_hf(hf, model_type),
         )
+        return cls(**{**fields, **_gemma_from_hf(hf, model_type)})
 
     def to_hf(self) -> dict[str, Any]:
         """A `config.json` dict that `transformers` loads into the matching *ForCausalLM class."""
@@ -294,7 +360,7 @@ class ModelConfig:
             "rope_theta": self.rope_theta,
             "rope_scaling": self.rope_scaling,
             "tie_word_embeddings": self.tie_word_embeddings,
-            "hidden_act": "silu",
+            "hidden_act": self.hidden_act,
             "torch_dtype": "float32",
         }
         if self.model_type in ("llama", "qwen3", "qwen3_moe", "olmoe", *DEEPSEEK_MODEL_TYPES):
@@ -341,6 +407,8 @@ class ModelConfig:
         for name in ("attn_logit_softcapping", "final_logit_softcapping"):
             if getattr(self, name) is not None:
                 hf[name] = getattr(self, name)
+        if self.model_type in GEMMA_MODEL_TYPES:
+            hf.update(_gemma_to_hf(self))
         return hf
 
 
@@ -396,3 +464,52 @@ def _mla_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
             "qk_nope_head_dim": hf.get("qk_nope_head_dim", 128), "qk_rope_head_dim": hf.get("qk_rope_head_dim", 64),
             "v_head_dim": hf.get("v_head_dim") or 128,
             "rope_interleave": bool(hf.get("rope_interleave", True)) if model_type == "deepseek_v3" else True}
+def _gemma_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The Gemma 2 / Gemma 3 fields of a config.json ({} for other families), with the defaults of
+    transformers' config classes for keys it leaves out (soft-capping on in Gemma 2, tied
+    embeddings, a 4096-token window, head_dim 256). Gemma 3's RoPE comes per layer type: the v5
+    `rope_parameters` {"full_attention": ..., "sliding_attention": ...}, or the v4 `rope_theta` +
+    `rope_scaling` (global layers) and `rope_local_base_freq` (local layers)."""
+    if model_type not in GEMMA_MODEL_TYPES:
+        return {}
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError("this config.json sets use_bidirectional_attention (an embedding model, not a causal LM); "
+                         "tokenmind runs Gemma as a causal decoder only")
+    n = hf["num_hidden_layers"]
+    pattern = 2 if model_type == "gemma2" else hf.get("sliding_window_pattern", 6)
+    out = {"head_dim": hf.get("head_dim", 256), "tie_word_embeddings": bool(hf.get("tie_word_embeddings", True)),
+           "max_position_embeddings": hf.get("max_position_embeddings", 8192 if model_type == "gemma2" else 131_072),
+           "sliding_window": hf.get("sliding_window", 4096),
+           "query_pre_attn_scalar": hf.get("query_pre_attn_scalar", 256),
+           "layer_types": hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                                     for i in range(n)],
+           "final_logit_softcapping": hf.get("final_logit_softcapping", 30.0 if model_type == "gemma2" else None),
+           # transformers' Gemma 3 attention never applies attn_logit_softcapping, whatever the config says
+           "attn_logit_softcapping": hf.get("attn_logit_softcapping", 50.0) if model_type == "gemma2" else None}
+    if model_type == "gemma3_text":
+        rope = hf.get("rope_parameters") or {}
+        if "full_attention" in rope or "sliding_attention" in rope:
+            glob = dict(rope.get("full_attention") or {})
+            local = dict(rope.get("sliding_attention") or {})
+        else:
+            glob = {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", 1_000_000.0)}
+            local = {"rope_theta": hf.get("rope_local_base_freq", 10_000.0)}
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"unsupported RoPE type {local['rope_type']!r} for Gemma 3's sliding layers; only "
+                             "'default' (rope_local_base_freq) is supported there")
+        out.update(rope_theta=float(glob.get("rope_theta", 1_000_000.0)), rope_scaling=glob,
+                   rope_local_theta=float(local.get("rope_theta", 10_000.0)))
+    return out
+
+
+def _gemma_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The Gemma keys of config.json. Soft-capping is written even when off: transformers' Gemma 2
+    turns it on when the key is missing."""
+    hf = {"hidden_activation": cfg.hidden_act, "query_pre_attn_scalar": cfg.query_pre_attn_scalar or cfg.head_dim,
+          "layer_types": cfg.layer_types or ["sliding_attention"] * cfg.num_hidden_layers,
+          "sliding_window": cfg.sliding_window, "attention_bias": cfg.qkv_bias,
+          "attn_logit_softcapping": cfg.attn_logit_softcapping,
+          "final_logit_softcapping": cfg.final_logit_softcapping}
+    if cfg.model_type == "gemma3_text":
+        hf["rope_local_base_freq"] = cfg.rope_local_theta
+    return hf

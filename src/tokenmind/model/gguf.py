@@ -1,8 +1,10 @@
 """Read GGUF files (llama.cpp's format): metadata, the embedded tokenizer, dequantized tensors.
 
-A GGUF file speaks llama.cpp's dialect: its own metadata keys, its own tensor names, and, for the
-llama family, q/k projection rows permuted for llama.cpp's interleaved RoPE. This module translates
-all of it to Hugging Face conventions (a `config.json` dict, HF parameter names, HF row layout), so
+A GGUF file speaks llama.cpp's dialect: its own metadata keys, its own tensor names, for the
+llama family q/k projection rows permuted for llama.cpp's interleaved RoPE, and for Gemma norm
+weights stored with 1 added (llama.cpp scales by the weight, HF by 1 + weight) and settings it
+derives rather than stores (layer pattern, attention scale). This module translates all of it to
+Hugging Face conventions (a `config.json` dict, HF parameter names, HF row layout), so
 the rest of tokenmind never needs to know a checkpoint came from a GGUF file.
 
 Tensors stay memory-mapped: `read_gguf` only parses the header, and dequantization happens when
@@ -30,7 +32,13 @@ _ARCHITECTURES = {
     "mistral": ("mistral", "MistralForCausalLM", True),
     "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
     "qwen3": ("qwen3", "Qwen3ForCausalLM", False),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM", False),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM", False),
 }
+# Gemma in llama.cpp: every `*norm.weight` is stored as 1 + HF's weight; every `pattern`-th layer is
+# global, the rest local (sliding); the layer count of the 27B model, whose attention scale is
+# 1/sqrt(hidden / heads) instead of 1/sqrt(head_dim) (llama.cpp's llama-model.cpp).
+_GEMMA = {"gemma2": {"pattern": 2, "layers_27b": 46}, "gemma3": {"pattern": 6, "layers_27b": 62}}
 
 # The types whose `gguf.quants.dequantize` output tests/test_gguf.py checks against a reference.
 SUPPORTED_QUANT_TYPES = frozenset(
@@ -50,6 +58,11 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+_GEMMA_BLOCK_NAMES = {  # Gemma's four norms a block: ffn_norm is the MLP's pre-norm there
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _TENSOR_NAME = re.compile(r"(?:blk\.(\d+)\.)?(\w+)\.(weight|bias)")
 
@@ -80,7 +93,8 @@ class GGUFCheckpoint:
         Returns (data, type, torch_shape). `data` is what `gguf.quants.dequantize(data, type)` takes:
         one row per output row, `torch_shape[0]` rows. q/k rows come back in HF order already: a
         quantization block never spans two rows, so permuting rows of raw blocks is exact.
-        Unpermuted tensors are zero-copy, read-only views of the memory-mapped file.
+        Unpermuted tensors are zero-copy, read-only views of the memory-mapped file. Gemma's norm
+        weights come back as stored (llama.cpp's 1 + weight); `tensor` gives HF's.
         """
         if name not in self._tensors:
             raise KeyError(f"{self.path}: no tensor {name!r} (HF name); see .tensor_names")
@@ -113,6 +127,8 @@ class GGUFCheckpoint:
                 f"which cannot be dequantized; supported types: {supported}"
             )
         values = dequantize(data, qtype)
+        if self.architecture in _GEMMA and name.endswith("norm.weight"):
+            values = values - np.float32(1.0)  # llama.cpp stored 1 + weight (a new array: the map stays read-only)
         if not values.flags.writeable:  # F32 comes back as a view of the read-only memory map
             values = np.array(values)
         return torch.from_numpy(values.reshape(shape))
@@ -139,7 +155,7 @@ def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, arch: str) -> str | None:
     match = _TENSOR_NAME.fullmatch(gguf_name)
     if match is None:
         return None
@@ -147,7 +163,7 @@ def _hf_name(gguf_name: str) -> str | None:
     if block is None:
         hf = _TOP_LEVEL_NAMES.get(base)
         return None if hf is None else f"{hf}.{kind}"
-    hf = _BLOCK_NAMES.get(base)
+    hf = (_BLOCK_NAMES | _GEMMA_BLOCK_NAMES if arch in _GEMMA else _BLOCK_NAMES).get(base)
     return None if hf is None else f"model.layers.{block}.{hf}.{kind}"
 
 
@@ -251,7 +267,36 @@ def _build_config(
         config["rope_scaling"] = rope_scaling
     if f"{arch}.attention.sliding_window" in meta:
         config["sliding_window"] = meta[f"{arch}.attention.sliding_window"]
+    if arch in _GEMMA:
+        config.update(_gemma_config(meta, arch, config, path))
     return config
+
+
+def _gemma_config(meta: dict, arch: str, config: dict, path: Path) -> dict:
+    """The Gemma keys of config.json, from the metadata llama.cpp writes and the settings it derives:
+    the local/global layer pattern (or `attention.sliding_window_pattern` where a file has it), the
+    attention scale, Gemma 2's default soft-caps (50, 30) and window (4096), Gemma 3's local RoPE
+    base (10000 unless `rope.freq_base_swa`)."""
+    n, gemma = config["num_hidden_layers"], _GEMMA[arch]
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", gemma["pattern"])
+    sliding = list(pattern) if isinstance(pattern, list) else [(i + 1) % pattern != 0 for i in range(n)]
+    if len(sliding) != n:
+        raise GGUFError(f"{path}: {arch}.attention.sliding_window_pattern has {len(sliding)} entries for {n} layers")
+    big = n == gemma["layers_27b"]
+    out = {
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "query_pre_attn_scalar": config["hidden_size"] // config["num_attention_heads"] if big else config["head_dim"],
+        "final_logit_softcapping": meta.get(f"{arch}.final_logit_softcapping", 30.0 if arch == "gemma2" else None),
+    }
+    if arch == "gemma2":
+        out["attn_logit_softcapping"] = meta.get(f"{arch}.attn_logit_softcapping", 50.0)
+        out["sliding_window"] = meta.get(f"{arch}.attention.sliding_window", 4096)
+    else:
+        out["sliding_window"] = _require(meta, f"{arch}.attention.sliding_window", path)
+        out["rope_local_base_freq"] = meta.get(f"{arch}.rope.freq_base_swa", 10000.0)
+    return out
 
 
 def read_gguf(path: str | Path) -> GGUFCheckpoint:
@@ -266,7 +311,7 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
 
     tensors = {}
     for t in file.tensors:
-        hf_name = _hf_name(t.name)
+        hf_name = _hf_name(t.name, arch)
         if hf_name is None:  # e.g. llama 3's rope_freqs.weight: dropping it would change the model
             raise GGUFError(f"{path}: tensor {t.name!r} has no Hugging Face {arch} equivalent")
         tensors[hf_name] = t

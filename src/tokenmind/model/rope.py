@@ -66,24 +66,28 @@ def _llama3(cfg: ModelConfig, s: dict, dim: int) -> torch.Tensor:
 class RotaryEmbedding(torch.nn.Module):
     """Computes (cos, sin) for given positions. Dynamic-NTK recomputes its base from the positions seen.
 
+    local: the RoPE of Gemma 3's sliding (local) layers, base `cfg.rope_local_theta` and never
+    scaled; the global layers' is the default one (rope_theta, rope_scaling).
+
     The frequencies are computed on the CPU even inside a `torch.device("meta")` block (the loader's
     skeleton): arithmetic on meta tensors imports torch._dynamo first, 0.8 s of every start-up."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, local: bool = False):
         super().__init__()
         self.cfg = cfg
         self.dim = cfg.head_dim
-        s = cfg.rope_scaling or {}
+        theta = cfg.rope_local_theta if local else cfg.rope_theta
+        s = {} if local else cfg.rope_scaling or {}
         self.rope_type = s.get("rope_type", "default")
         self.attention_scaling = 1.0
         if self.rope_type == "linear":
-            inv_freq = _base_inv_freq(cfg.rope_theta, self.dim) / s["factor"]
+            inv_freq = _base_inv_freq(theta, self.dim) / s["factor"]
         elif self.rope_type == "yarn":
             inv_freq, self.attention_scaling = _yarn(cfg, s, self.dim)
         elif self.rope_type == "llama3":
             inv_freq = _llama3(cfg, s, self.dim)
         else:  # default and dynamic (dynamic equals default inside the trained context)
-            inv_freq = _base_inv_freq(cfg.rope_theta, self.dim)
+            inv_freq = _base_inv_freq(theta, self.dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def _dynamic_inv_freq(self, seq_len: int) -> torch.Tensor:

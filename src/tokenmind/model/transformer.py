@@ -7,11 +7,15 @@ are each one fused matrix (`qkv_proj`, `gate_up_proj`): one matmul instead of th
 which matters when decode is bound by per-op overhead. `checkpoint.py` splits and joins them.
 In a mixture-of-experts model (`cfg.num_experts`) the MLP of some or all layers is a `MoE`;
 DeepSeek models attend through `LatentAttention` (multi-head latent attention).
+Gemma 2/3 add their traits through `ModelConfig`: a `SandwichBlock` (norms after each sublayer
+too), GELU-tanh in the gated MLP, RMSNorm by (1 + weight), embeddings × sqrt(hidden), the
+query_pre_attn_scalar, and local (sliding, own RoPE in Gemma 3) layers between global ones.
 """
 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -25,18 +29,26 @@ from .rope import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm (no mean subtraction, no bias), computed in float32 like HF."""
+    """Root-mean-square norm (no mean subtraction, no bias), computed in float32 like HF.
 
-    def __init__(self, dim: int, eps: float):
+    unit_offset (Gemma): the scale is 1 + weight, so the stored weight starts at 0, not 1."""
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+        self.eps, self.unit_offset = eps, unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:  # the decode hot path: one op
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        weight = self.weight.float() + 1.0 if self.unit_offset else self.weight
+        if x.dtype == torch.float32 and weight.dtype == torch.float32:  # the decode hot path: one op
+            return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
         # Lower precision: normalize and scale in fp32, like HF, then cast back.
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+        return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), self.eps).to(x.dtype)
+
+
+def rms_norm(cfg: ModelConfig, dim: int | None = None) -> RMSNorm:
+    """The family's RMSNorm over `dim` features (default hidden_size)."""
+    return RMSNorm(dim or cfg.hidden_size, cfg.rms_norm_eps, cfg.rms_norm_unit_offset)
 
 
 class Attention(nn.Module):
@@ -48,15 +60,15 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(d, (self.n_heads + 2 * self.n_kv) * self.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=cfg.o_bias)
         self.qk_norm_per_head = cfg.qk_norm_per_head
-        if cfg.qk_norm:  # per head (Qwen3), or over all heads at once (OLMoE)
+        if cfg.qk_norm:  # per head (Qwen3, Gemma 3), or over all heads at once (OLMoE)
             q_width, k_width = (self.head_dim, self.head_dim) if cfg.qk_norm_per_head else \
                 (self.n_heads * self.head_dim, self.n_kv * self.head_dim)
-            self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps)
+            self.q_norm = rms_norm(cfg, q_width)
+            self.k_norm = rms_norm(cfg, k_width)
         self.clip_qkv = cfg.clip_qkv
         self.softcap = cfg.attn_logit_softcapping
-        self.window = cfg.sliding_window
-        self.scale = self.head_dim ** -0.5
+        self.window = cfg.sliding_window if cfg.is_sliding_layer(layer_idx) else None
+        self.scale = (cfg.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: DenseMask | PagedAttentionMetadata,
                 kv_cache: PagedKVCache | None = None) -> torch.Tensor:
@@ -109,6 +121,7 @@ class LatentAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.rank, h * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(h * self.v_dim, d, bias=cfg.o_bias)
         self.scale = cfg.qk_head_dim ** -0.5 * _yarn_softmax_scale(cfg.rope_scaling)
+        self.window = None  # DeepSeek attends to the whole context
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: DenseMask | PagedAttentionMetadata,
                 kv_cache: PagedKVCache | None = None) -> torch.Tensor:
@@ -146,17 +159,18 @@ def _yarn_softmax_scale(rope_scaling: dict | None) -> float:
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU with silu, GeGLU with Gemma's tanh-approximated GELU."""
 
     def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
         d, f = cfg.hidden_size, intermediate_size or cfg.intermediate_size
         self.gate_up_proj = nn.Linear(d, 2 * f, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(f, d, bias=cfg.mlp_bias)
+        self.act = F.silu if cfg.hidden_act == "silu" else partial(F.gelu, approximate="tanh")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class Experts(nn.Module):
@@ -330,14 +344,30 @@ def router_aux_loss(model: nn.Module) -> torch.Tensor | None:
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = rms_norm(cfg)
         self.self_attn = LatentAttention(cfg, layer_idx) if cfg.kv_lora_rank else Attention(cfg, layer_idx)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = rms_norm(cfg)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg)
+        self.local_rope = cfg.rope_local_theta is not None and cfg.is_sliding_layer(layer_idx)  # Gemma 3
 
     def forward(self, x, cos, sin, attn, kv_cache=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class SandwichBlock(Block):
+    """Gemma 2/3: each sublayer is normed on the way in and on the way out, before its output joins
+    the residual stream. HF's names: post_attention_layernorm norms the attention's output here
+    (not the MLP's input, as in `Block`), and the MLP has pre_/post_feedforward_layernorm."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__(cfg, layer_idx)
+        self.pre_feedforward_layernorm = rms_norm(cfg)
+        self.post_feedforward_layernorm = rms_norm(cfg)
+
+    def forward(self, x, cos, sin, attn, kv_cache=None):
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, attn, kv_cache))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class Transformer(nn.Module):
@@ -348,12 +378,14 @@ class Transformer(nn.Module):
         # normal_ runs a Python decomposition that first imports torch._dynamo (0.8 s of start-up).
         skeleton = torch.empty(cfg.vocab_size, cfg.hidden_size) if torch.empty(0).is_meta else None
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=skeleton)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        block = SandwichBlock if cfg.sandwich_norm else Block
+        self.layers = nn.ModuleList(block(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = rms_norm(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg)
+        self.local_rotary = RotaryEmbedding(cfg, local=True) if cfg.rope_local_theta is not None else None
         self.gradient_checkpointing = False  # recompute each block's activations in backward (saves memory)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
@@ -368,19 +400,26 @@ class Transformer(nn.Module):
             required.
         """
         x = self.embed_tokens(input_ids)
+        if self.cfg.scale_embeddings:  # × sqrt(hidden), first rounded to the activations' dtype as in HF
+            x = x * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=x.dtype)  # 0-dim: a scalar on any device
+        windows = {layer.self_attn.window for layer in self.layers}
         if isinstance(attn, PagedAttentionMetadata):
             if positions is None or kv_cache is None:
                 raise ValueError("paged attention needs explicit positions and the PagedKVCache it describes")
-            mask: DenseMask | PagedAttentionMetadata = attn
+            masks: dict[int | None, DenseMask | PagedAttentionMetadata] = dict.fromkeys(windows, attn)
         else:
             if kv_cache is not None:
                 raise ValueError("a kv_cache is read through paged attention metadata (the engine builds it); "
                                  "a dense batch attends to itself")
             if positions is None:
                 positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)
-            mask = (attn or DenseAttentionMetadata()).resolve(positions, self.cfg.sliding_window)
-        cos, sin = self.rotary(positions, x.dtype)
+            meta = attn or DenseAttentionMetadata()
+            masks = {window: meta.resolve(positions, window) for window in windows}  # one per window, not per layer
+        ropes = {False: self.rotary(positions, x.dtype)}
+        if self.local_rotary is not None:
+            ropes[True] = self.local_rotary(positions, x.dtype)
         for layer in self.layers:
+            (cos, sin), mask = ropes[layer.local_rope], masks[layer.self_attn.window]
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
             else:
@@ -410,10 +449,11 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
-        """Normal(0, std) for matrices, ones for norms, zeros for biases (GPT-2 / Llama recipe)."""
+        """Normal(0, std) for matrices, ones for norms (zeros where the norm scales by 1 + weight),
+        zeros for biases (GPT-2 / Llama recipe)."""
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
-                p.fill_(1.0)
+                p.fill_(0.0 if self.cfg.rms_norm_unit_offset else 1.0)
             elif name.endswith(".bias"):
                 p.zero_()
             else:

@@ -192,7 +192,7 @@ class GKDObjective:
 def student_from_layers(teacher: Transformer, layers: Sequence[int]) -> Transformer:
     """A copy of `teacher` (in fp32, for training) with only the blocks `layers` (increasing teacher
     indices), renumbered from 0; embeddings, final norm and head are copied. Config lists with one
-    entry per layer (HF's `layer_types`) keep the kept layers' entries."""
+    entry per layer (Gemma's `layer_types`, HF's others in `extra`) keep the kept layers' entries."""
     cfg = teacher.cfg
     n = cfg.num_hidden_layers
     layers = list(layers)
@@ -201,7 +201,8 @@ def student_from_layers(teacher: Transformer, layers: Sequence[int]) -> Transfor
                          f"one; e.g. every other layer: {list(range(0, n, 2))}")
     extra = {key: [value[i] for i in layers] if isinstance(value, list) and len(value) == n else value
              for key, value in cfg.extra.items()}
-    student = Transformer(dataclasses.replace(cfg, num_hidden_layers=len(layers), extra=extra))
+    layer_types = None if cfg.layer_types is None else [cfg.layer_types[i] for i in layers]
+    student = Transformer(dataclasses.replace(cfg, num_hidden_layers=len(layers), extra=extra, layer_types=layer_types))
     renumber = {f"layers.{old}.": f"layers.{new}." for new, old in enumerate(layers)}
     state = {}
     for name, tensor in teacher.state_dict().items():
