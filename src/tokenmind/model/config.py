@@ -146,7 +146,8 @@ class ModelConfig:
         if self.model_type == "deepseek_v2":
             self.norm_topk_prob = False  # transformers' DeepSeek-V2 never renormalises the top-k weights
         if self.num_experts:
-            if self.model_type in ("mixtral", "olmoe") and self.moe_intermediate_size not in (None, self.intermediate_size):
+            if self.model_type in ("mixtral", "olmoe") \
+                    and self.moe_intermediate_size not in (None, self.intermediate_size):
                 raise ValueError(f"{self.model_type}'s experts are intermediate_size wide (its config.json has no "
                                  "moe_intermediate_size): set intermediate_size to the expert width instead")
             if self.moe_intermediate_size is None:
