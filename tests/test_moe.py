@@ -116,6 +116,8 @@ def test_hf_round_trip_loads_in_transformers_and_back_with_equal_logits(tmp_path
 
 @pytest.mark.parametrize("model_type,extra", [
     ("qwen2_moe", dict(moe_intermediate_size=24, shared_expert_intermediate_size=40)),
+    ("olmoe", dict(qk_norm=True, qk_norm_per_head=False, clip_qkv=1.0)),
+    ("deepseek_v2", dict(MLA, first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=2, topk_group=1)),
     ("deepseek_v3", DEEPSEEK_V3),  # latent attention: the pool holds latents, decode absorbs kv_b_proj
 ])
 def test_the_paged_engine_decodes_a_moe_model_batched_as_it_does_alone(model_type, extra):
