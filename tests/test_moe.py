@@ -122,6 +122,19 @@ def test_hf_round_trip_loads_in_transformers_and_back_with_equal_logits(tmp_path
 ])
 def test_the_paged_engine_decodes_a_moe_model_batched_as_it_does_alone(model_type, extra):
     model = tiny_moe(model_type, **extra)
+def test_one_token_runs_its_experts_directly_with_the_grouped_result():
+    experts = tiny_moe(num_experts=6, num_experts_per_tok=3).layers[0].mlp.experts
+    g = torch.Generator().manual_seed(4)
+    x, weight = torch.randn(5, 32, generator=g), torch.rand(5, 3, generator=g)
+    expert = torch.stack([torch.randperm(6, generator=g)[:3] for _ in range(5)])
+    with torch.no_grad():
+        grouped = experts(x, expert, weight)  # 5 tokens: sorted by expert
+        alone = torch.cat([experts(x[i:i + 1], expert[i:i + 1], weight[i:i + 1]) for i in range(5)])
+    torch.testing.assert_close(alone, grouped, atol=1e-5, rtol=0)  # fp32 rounding: outputs are O(1)
+
+
+def test_the_paged_engine_decodes_a_moe_model_batched_as_it_does_alone():
+    model = tiny_moe("qwen2_moe", moe_intermediate_size=24, shared_expert_intermediate_size=40)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (3, 9, 17, 5)]
@@ -222,3 +235,7 @@ def test_a_deepseek_v3_model_pretrains_with_expert_load_logged_and_plotted(tmp_p
     ids = torch.randint(0, back.cfg.vocab_size, (1, 9))
     with torch.no_grad():
         torch.testing.assert_close(hf.eval()(ids).logits, back(ids), atol=1e-4, rtol=0)
+def test_a_config_saved_by_transformers_5_keeps_its_expert_count():
+    saved = [transformers.Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2),  # saved as num_local_experts
+             transformers.Qwen2MoeConfig(num_experts=6), transformers.MixtralConfig(num_local_experts=5)]
+    assert [ModelConfig.from_hf(c.to_dict()).num_experts for c in saved] == [4, 6, 5]

@@ -443,7 +443,8 @@ def _moe_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
         return {"num_experts": hf.get("num_local_experts", 8), "num_experts_per_tok": hf.get("num_experts_per_tok", 2),
                 "norm_topk_prob": True, "router_aux_loss_coef": hf.get("router_aux_loss_coef", 0.001),
                 "router_z_loss_coef": hf.get("router_z_loss_coef", 0.0)}
-    out = {"num_experts": hf.get("num_experts", 60 if model_type == "qwen2_moe" else 128),
+    # transformers 5 saves Qwen3-MoE's expert count as num_local_experts (num_experts is its alias)
+    out = {"num_experts": hf.get("num_experts", hf.get("num_local_experts", 60 if model_type == "qwen2_moe" else 128)),
            "num_experts_per_tok": hf.get("num_experts_per_tok", 4 if model_type == "qwen2_moe" else 8),
            "moe_intermediate_size": hf.get("moe_intermediate_size", 1408 if model_type == "qwen2_moe" else 768),
            "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),

@@ -7,6 +7,12 @@ derives rather than stores (layer pattern, attention scale). This module transla
 Hugging Face conventions (a `config.json` dict, HF parameter names, HF row layout), so
 the rest of tokenmind never needs to know a checkpoint came from a GGUF file.
 
+Mixtures of experts (Mixtral, which llama.cpp writes as a "llama" file with `llama.expert_count`,
+Qwen2-MoE, Qwen3-MoE) keep each layer's experts in 3-D slabs, one (rows, cols) matrix per expert:
+numpy shape (E, I, H) for `ffn_gate_exps` / `ffn_up_exps` and (E, H, I) for `ffn_down_exps` (GGUF
+lists dimensions fastest first, so the header says (H, I, E)). transformers 5 holds the same
+slabs, with gate and up joined along each expert's rows into `mlp.experts.gate_up_proj` (E, 2I, H).
+
 Tensors stay memory-mapped: `read_gguf` only parses the header, and dequantization happens when
 `load_state_dict` (everything, fp32) or `raw_tensor` (one tensor, still quantized) asks for it.
 """
@@ -34,11 +40,18 @@ _ARCHITECTURES = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM", False),
     "gemma2": ("gemma2", "Gemma2ForCausalLM", False),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM", False),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM", False),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM", False),
 }
 # Gemma in llama.cpp: every `*norm.weight` is stored as 1 + HF's weight; every `pattern`-th layer is
 # global, the rest local (sliding); the layer count of the 27B model, whose attention scale is
 # 1/sqrt(hidden / heads) instead of 1/sqrt(head_dim) (llama.cpp's llama-model.cpp).
 _GEMMA = {"gemma2": {"pattern": 2, "layers_27b": 46}, "gemma3": {"pattern": 6, "layers_27b": 62}}
+_MIXTRAL = ("mixtral", "MixtralForCausalLM", True)  # a "llama" file with experts, permuted like llama
+# Whether llama.cpp renormalises the chosen experts' weights to sum to 1 (its build_moe_ffn `norm_w`,
+# fixed per architecture; a `{arch}.expert_weights_norm` key overrides it). Mixtral always does.
+_NORM_TOPK = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True}
+_SOFTMAX_GATING = 1  # gguf.ExpertGatingFuncType.SOFTMAX, llama.cpp's default for these families
 
 # The types whose `gguf.quants.dequantize` output tests/test_gguf.py checks against a reference.
 SUPPORTED_QUANT_TYPES = frozenset(
@@ -58,6 +71,18 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # the router (E, H)
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+# Expert slabs: transformers 5 names the parameter itself (no `.weight`), and its gate_up_proj is
+# ffn_gate_exps then ffn_up_exps along each expert's rows: GGUF name -> (HF name, place in it).
+_EXPERT_NAMES = {
+    "ffn_gate_exps": ("mlp.experts.gate_up_proj", 0),
+    "ffn_up_exps": ("mlp.experts.gate_up_proj", 1),
+    "ffn_down_exps": ("mlp.experts.down_proj", 0),
 }
 _GEMMA_BLOCK_NAMES = {  # Gemma's four norms a block: ffn_norm is the MLP's pre-norm there
     "post_attention_norm": "post_attention_layernorm",
@@ -65,6 +90,7 @@ _GEMMA_BLOCK_NAMES = {  # Gemma's four norms a block: ffn_norm is the MLP's pre-
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 _TENSOR_NAME = re.compile(r"(?:blk\.(\d+)\.)?(\w+)\.(weight|bias)")
+_PER_EXPERT_NAME = re.compile(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight")  # older conversions: one per expert
 
 
 class GGUFError(ValueError):
@@ -80,7 +106,8 @@ class GGUFCheckpoint:
     config: dict  # a Hugging Face `config.json` dict (model_type, hidden_size, ...)
     tokenizer: GGUFTokenizer
     metadata: dict = field(default_factory=dict, repr=False)  # every GGUF key, decoded
-    _tensors: dict[str, GGUFTensor] = field(default_factory=dict, repr=False)  # HF name -> tensor
+    # HF name -> the GGUF tensor(s) it is made of: one, or an expert gate_up_proj's gate and up slabs
+    _tensors: dict[str, tuple[GGUFTensor, ...]] = field(default_factory=dict, repr=False)
 
     @property
     def tensor_names(self) -> list[str]:
@@ -91,19 +118,24 @@ class GGUFCheckpoint:
         """One tensor as stored (quantized blocks, or floats), for kernels that consume blocks directly.
 
         Returns (data, type, torch_shape). `data` is what `gguf.quants.dequantize(data, type)` takes:
-        one row per output row, `torch_shape[0]` rows. q/k rows come back in HF order already: a
-        quantization block never spans two rows, so permuting rows of raw blocks is exact.
-        Unpermuted tensors are zero-copy, read-only views of the memory-mapped file. Gemma's norm
-        weights come back as stored (llama.cpp's 1 + weight); `tensor` gives HF's.
+        one row per output row, `torch_shape[:-1]` rows ((E, rows) for an expert slab). q/k rows come
+        back in HF order already: a quantization block never spans two rows, so permuting (or
+        joining) rows of raw blocks is exact. Unpermuted single tensors are zero-copy, read-only
+        views of the memory-mapped file. An expert gate_up_proj whose gate and up slabs are stored
+        in different types has no one raw form: GGUFError (`tensor` still dequantizes it). Gemma's
+        norm weights come back as stored (llama.cpp's 1 + weight); `tensor` gives HF's.
         """
-        if name not in self._tensors:
-            raise KeyError(f"{self.path}: no tensor {name!r} (HF name); see .tensor_names")
-        t = self._tensors[name]
-        data = t.data
-        n_heads = self._permuted_heads(name)
-        if n_heads is not None:
-            data = _unpermute_rows(data, n_heads)
-        return data, t.tensor_type, tuple(reversed(t.shape))
+        parts = [self._raw_part(name, t) for t in self._parts(name)]
+        if len(parts) == 1:
+            return parts[0]
+        types = {qtype for _, qtype, _ in parts}
+        if len(types) > 1:
+            stored = " and ".join(f"{t.name} ({t.tensor_type.name})" for t in self._tensors[name])
+            raise GGUFError(f"{self.path}: {name} joins {stored}; blocks of different types cannot be joined "
+                            "raw (use .tensor(name) for its float values)")
+        shapes = [shape for *_, shape in parts]
+        joined = (*shapes[0][:-2], sum(s[-2] for s in shapes), shapes[0][-1])
+        return np.concatenate([data for data, _, _ in parts], axis=-2), types.pop(), joined
 
     def load_state_dict(self, progress: bool = False, skip: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
         """Every tensor dequantized to a float32 torch tensor, with HF names, shapes and row order.
@@ -119,13 +151,30 @@ class GGUFCheckpoint:
 
     def tensor(self, name: str) -> torch.Tensor:
         """One tensor (HF name) dequantized to float32, in HF shape and row order."""
-        data, qtype, shape = self.raw_tensor(name)
+        values = [self._dequantize(name, t, *self._raw_part(name, t)) for t in self._parts(name)]
+        return values[0] if len(values) == 1 else torch.cat(values, dim=-2)
+
+    def _parts(self, name: str) -> tuple[GGUFTensor, ...]:
+        if name not in self._tensors:
+            raise KeyError(f"{self.path}: no tensor {name!r} (HF name); see .tensor_names")
+        return self._tensors[name]
+
+    def _raw_part(self, name: str, t: GGUFTensor) -> tuple[np.ndarray, GGMLQuantizationType, tuple[int, ...]]:
+        """One GGUF tensor's raw data in HF row order and shape."""
+        data, shape = t.data, tuple(reversed(t.shape))
+        if name.endswith(".shared_expert_gate.weight") and len(shape) == 1:  # llama.cpp squeezes HF's (1, H)
+            data, shape = data.reshape(1, -1), (1, *shape)
+        n_heads = self._permuted_heads(name)
+        if n_heads is not None:
+            data = _unpermute_rows(data, n_heads)
+        return data, t.tensor_type, shape
+
+    def _dequantize(self, name: str, t: GGUFTensor, data: np.ndarray, qtype: GGMLQuantizationType,
+                    shape: tuple[int, ...]) -> torch.Tensor:
         if qtype not in SUPPORTED_QUANT_TYPES:
             supported = ", ".join(sorted(q.name for q in SUPPORTED_QUANT_TYPES))
-            raise GGUFError(
-                f"{self.path}: tensor {self._tensors[name].name!r} ({name}) is {qtype.name}, "
-                f"which cannot be dequantized; supported types: {supported}"
-            )
+            raise GGUFError(f"{self.path}: tensor {t.name!r} ({name}) is {qtype.name}, which cannot be dequantized; "
+                            f"supported types: {supported}")
         values = dequantize(data, qtype)
         if self.architecture in _GEMMA and name.endswith("norm.weight"):
             values = values - np.float32(1.0)  # llama.cpp stored 1 + weight (a new array: the map stays read-only)
@@ -155,16 +204,20 @@ def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _hf_name(gguf_name: str, arch: str) -> str | None:
+def _hf_name(gguf_name: str, arch: str) -> tuple[str, int] | None:
+    """(HF name, place among the GGUF tensors joined in it) of a GGUF tensor name, or None."""
     match = _TENSOR_NAME.fullmatch(gguf_name)
     if match is None:
         return None
     block, base, kind = match.groups()
     if block is None:
         hf = _TOP_LEVEL_NAMES.get(base)
-        return None if hf is None else f"{hf}.{kind}"
+        return None if hf is None else (f"{hf}.{kind}", 0)
+    if base in _EXPERT_NAMES and kind == "weight":
+        hf, place = _EXPERT_NAMES[base]
+        return f"model.layers.{block}.{hf}", place
     hf = (_BLOCK_NAMES | _GEMMA_BLOCK_NAMES if arch in _GEMMA else _BLOCK_NAMES).get(base)
-    return None if hf is None else f"model.layers.{block}.{hf}.{kind}"
+    return None if hf is None else (f"model.layers.{block}.{hf}.{kind}", 0)
 
 
 def _open(path: Path) -> GGUFFile:
@@ -234,17 +287,16 @@ def _rope_scaling(meta: dict, arch: str, path: Path) -> dict | None:
     raise GGUFError(f"{path}: unsupported RoPE scaling type {kind!r} (supported: linear, yarn)")
 
 
-def _build_config(
-    meta: dict, arch: str, tensor_names: set[str], tokenizer: GGUFTokenizer, path: Path
-) -> dict:
+def _build_config(meta: dict, arch: str, model_type: str, shapes: dict[str, tuple[int, ...]],
+                  tokenizer: GGUFTokenizer, path: Path) -> dict:
+    """The HF config.json of the file; `shapes` maps its GGUF tensor names to their GGUF shapes."""
     def req(key):
         return _require(meta, f"{arch}.{key}", path)
 
-    model_type, hf_class, _ = _ARCHITECTURES[arch]
     hidden, heads = req("embedding_length"), req("attention.head_count")
     config = {
         "model_type": model_type,
-        "architectures": [hf_class],
+        "architectures": [_MIXTRAL[1] if model_type == "mixtral" else _ARCHITECTURES[arch][1]],
         "vocab_size": meta.get(f"{arch}.vocab_size", len(tokenizer.tokens)),
         "hidden_size": hidden,
         "intermediate_size": req("feed_forward_length"),
@@ -256,12 +308,16 @@ def _build_config(
         "rms_norm_eps": req("attention.layer_norm_rms_epsilon"),
         "rope_theta": meta.get(f"{arch}.rope.freq_base", 10000.0),  # llama.cpp's default
         "max_position_embeddings": req("context_length"),
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "tie_word_embeddings": "output.weight" not in shapes,
+        "attention_bias": "blk.0.attn_q.bias" in shapes,
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
         "torch_dtype": "float32",
     }
+    if model_type == "qwen2_moe":  # its config calls the q/k/v biases qkv_bias
+        config["qkv_bias"] = config["attention_bias"]
+    if model_type in _NORM_TOPK:
+        config.update(_moe_config(meta, arch, model_type, shapes, config["num_hidden_layers"], path))
     rope_scaling = _rope_scaling(meta, arch, path)
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
@@ -297,6 +353,43 @@ def _gemma_config(meta: dict, arch: str, config: dict, path: Path) -> dict:
         out["sliding_window"] = _require(meta, f"{arch}.attention.sliding_window", path)
         out["rope_local_base_freq"] = meta.get(f"{arch}.rope.freq_base_swa", 10000.0)
     return out
+def _moe_config(meta: dict, arch: str, model_type: str, shapes: dict[str, tuple[int, ...]], n_layers: int,
+                path: Path) -> dict:
+    """The mixture-of-experts keys of config.json, as transformers names them for `model_type`.
+    Layers without a router (`ffn_gate_inp`) are dense; expert sizes missing from the metadata
+    (older conversions) are read off the first slab's shape."""
+    def req(key):
+        return _require(meta, f"{arch}.{key}", path)
+
+    gating = meta.get(f"{arch}.expert_gating_func", _SOFTMAX_GATING)
+    if gating != _SOFTMAX_GATING:
+        raise GGUFError(f"{path}: {arch}.expert_gating_func is {gating} (sigmoid routing); tokenmind's experts are "
+                        "routed by softmax only")
+    if meta.get(f"{arch}.expert_weights_scale", 1.0) != 1.0:
+        raise GGUFError(f"{path}: {arch}.expert_weights_scale={meta[f'{arch}.expert_weights_scale']} scales the "
+                        "experts' output, which tokenmind's mixture of experts does not do")
+    n_experts, top_k = req("expert_count"), req("expert_used_count")
+    normalize = bool(meta.get(f"{arch}.expert_weights_norm", _NORM_TOPK[model_type]))
+    if model_type == "mixtral":
+        if not normalize:
+            raise GGUFError(f"{path}: {arch}.expert_weights_norm is false, but Mixtral always renormalises the "
+                            "chosen experts' weights")
+        return {"num_local_experts": n_experts, "num_experts_per_tok": top_k}
+
+    def rows(gguf_name: str) -> int:  # a GGUF shape lists the columns first: (H, I[, E]) -> I
+        return shapes[gguf_name][1] if gguf_name in shapes else 0
+
+    moe_layers = [i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" in shapes]
+    first = moe_layers[0] if moe_layers else 0
+    config = {"num_experts": n_experts, "num_experts_per_tok": top_k,
+              "moe_intermediate_size": meta.get(f"{arch}.expert_feed_forward_length")
+              or rows(f"blk.{first}.ffn_gate_exps.weight"),
+              "norm_topk_prob": normalize, "decoder_sparse_step": 1,
+              "mlp_only_layers": [i for i in range(n_layers) if i not in moe_layers]}
+    if model_type == "qwen2_moe":
+        config["shared_expert_intermediate_size"] = (meta.get(f"{arch}.expert_shared_feed_forward_length")
+                                                     or rows(f"blk.{first}.ffn_gate_shexp.weight"))
+    return config
 
 
 def read_gguf(path: str | Path) -> GGUFCheckpoint:
@@ -305,17 +398,38 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
     file = _open(path)
     meta = file.metadata
     arch = _require(meta, "general.architecture", path)
+    n_experts = meta.get(f"{arch}.expert_count", 0)
     if arch not in _ARCHITECTURES:
+        if n_experts:
+            raise GGUFError(f"{path}: unsupported mixture-of-experts GGUF architecture {arch!r} ({n_experts} experts);"
+                            " supported: Mixtral (written as 'llama'), qwen2moe, qwen3moe")
         supported = ", ".join(_ARCHITECTURES)
         raise GGUFError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {supported}")
+    model_type = _MIXTRAL[0] if arch == "llama" and n_experts else _ARCHITECTURES[arch][0]
+    if n_experts and model_type not in _NORM_TOPK:
+        raise GGUFError(f"{path}: a {arch!r} file with {n_experts} experts has no Hugging Face equivalent; the "
+                        "mixtures of experts supported are Mixtral (written as 'llama'), qwen2moe, qwen3moe")
 
-    tensors = {}
+    parts: dict[str, dict[int, GGUFTensor]] = {}
     for t in file.tensors:
-        hf_name = _hf_name(t.name, arch)
-        if hf_name is None:  # e.g. llama 3's rope_freqs.weight: dropping it would change the model
-            raise GGUFError(f"{path}: tensor {t.name!r} has no Hugging Face {arch} equivalent")
-        tensors[hf_name] = t
+        mapped = _hf_name(t.name, arch)
+        if mapped is None and _PER_EXPERT_NAME.fullmatch(t.name):
+            raise GGUFError(f"{path}: tensor {t.name!r} is one expert's matrix, an older llama.cpp layout; "
+                            "re-convert the model with a current convert_hf_to_gguf.py, which stacks each layer's "
+                            "experts into ffn_gate_exps / ffn_up_exps / ffn_down_exps")
+        if mapped is None:  # e.g. llama 3's rope_freqs.weight: dropping it would change the model
+            raise GGUFError(f"{path}: tensor {t.name!r} has no Hugging Face {model_type} equivalent")
+        hf_name, place = mapped
+        parts.setdefault(hf_name, {})[place] = t
+    tensors = {}
+    for hf_name, found in parts.items():
+        if hf_name.endswith(".experts.gate_up_proj") and len(found) != 2:
+            only = next(iter(found.values())).name
+            raise GGUFError(f"{path}: {hf_name} joins a layer's ffn_gate_exps and ffn_up_exps, but the file has "
+                            f"only {only!r} of the two")
+        tensors[hf_name] = tuple(found[i] for i in sorted(found))
 
     tokenizer = _read_tokenizer(meta, path)
-    config = _build_config(meta, arch, {t.name for t in file.tensors}, tokenizer, path)
+    shapes = {t.name: t.shape for t in file.tensors}
+    config = _build_config(meta, arch, model_type, shapes, tokenizer, path)
     return GGUFCheckpoint(path, arch, config, tokenizer, metadata=meta, _tensors=tensors)

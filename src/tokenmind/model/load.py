@@ -214,7 +214,8 @@ def load_model(ref: str | Path, dtype: torch.dtype | str = torch.float32, quanti
     2-4x faster batch-1 decode, see `model/quant.py`). For a GGUF file, "int4" copies its Q4_0/Q4_1/
     Q4_K blocks into the int4 kernel as they are (no second rounding) and turns Q8_0/Q5_0/Q5_1/Q5_K/
     Q6_K blocks (and layers fusing them with 4-bit ones) into int8; layers stored in other types
-    are quantized to int4 from their float values.
+    are quantized to int4 from their float values. A mixture of experts' routers stay float and
+    its 3-D expert slabs are not linears: they load dequantized to `dtype` under any quantization.
     tokenizer: another reference to take the tokenizer from (a model exported without one).
     """
     quantize = quantization_setting(quantize)

@@ -259,9 +259,15 @@ def _unpack_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return out
 
 
+# A mixture of experts' routers stay in float, as llama.cpp keeps them: they are tiny, and a rounding
+# that flips a token's top-k choice swaps whole experts.
+_ROUTERS = ("gate", "shared_expert_gate")
+
+
 def _linears(model: nn.Module, quantize_lm_head: bool) -> list[tuple[str, nn.Linear]]:
     return [(name, m) for name, m in model.named_modules()
-            if isinstance(m, nn.Linear) and (quantize_lm_head or name.rsplit(".", 1)[-1] != "lm_head")]
+            if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] not in _ROUTERS
+            and (quantize_lm_head or name.rsplit(".", 1)[-1] != "lm_head")]
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -273,6 +279,7 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
 def quantize_model(model: nn.Module, scheme: str = "int8", group_size: int = 32, *,
                    quantize_lm_head: bool = True, compute_dtype: torch.dtype = torch.bfloat16) -> nn.Module:
     """Replace every `nn.Linear` of `model` in place with an `Int8Linear` or `Int4Linear`; returns `model`.
+    A mixture of experts' routers stay float (`_ROUTERS`) and its 3-D expert slabs are not linears.
 
     scheme: "int8" (per-channel symmetric) or "int4" (group-wise asymmetric, `group_size` in
     32/64/128/256; in_features not divisible by it are zero-padded, see `Int4Linear.from_float`).
@@ -358,6 +365,8 @@ _GGUF_SOURCES = {  # our fused module suffix → the HF tensors stacked in it, i
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
     "self_attn.o_proj": ("self_attn.o_proj",),
     "mlp.down_proj": ("mlp.down_proj",),
+    "mlp.shared_expert.gate_up_proj": ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
+    "mlp.shared_expert.down_proj": ("mlp.shared_expert.down_proj",),
 }
 
 
@@ -451,6 +460,9 @@ def quantize_from_gguf(model: nn.Module, ckpt, *, compute_dtype: torch.dtype = t
         dequantized then requantized per channel (the kernel has no per-block scales; the extra
         bits of these types would be lost in int4);
       anything else (F32, F16, BF16, other K-quants) → left as the dequantized `nn.Linear`.
+    A mixture of experts' shared expert maps like a dense MLP and its routers stay float; the
+    routed experts are 3-D slabs (`transformer.Experts`), not linears: this leaves them as the
+    loader dequantized them, float, whatever their GGUF type.
     Qwen2.5-Coder Q4_K_M files, for example: the 1.5B's Q4_K layers go to int4 and its Q6_K
     layers (and q/k/v fused with a Q6_K v) to int8; the 0.5B is mostly Q5_0, so mostly int8.
     With compute_dtype=float32 the Int4Linear's effective weight equals `gguf.quants.dequantize`

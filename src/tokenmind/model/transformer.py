@@ -178,6 +178,8 @@ class Experts(nn.Module):
     gate_up_proj (E, 2·f, d) and down_proj (E, d, f). Expert parallelism
     (`train/expert_parallel.py`) holds a slice of them and overrides only `run_grouped`."""
 
+    holds_all_experts = True  # False for a rank's slice: every row must go through run_grouped
+
     def __init__(self, num_experts: int, d: int, f: int):
         super().__init__()
         self.num_experts = num_experts
@@ -187,21 +189,34 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x (N, d); expert and weight (N, k): each token's chosen experts and their weights → (N, d).
 
-        The N·k (token, expert) pairs are sorted by expert, so every expert runs once, as one
-        matmul over all of its rows, and the results are summed back per token."""
+        The N·k (token, expert) pairs are sorted by expert and each projection runs as one grouped
+        matmul (`F.grouped_mm`: expert e multiplies its rows, offsets mark where each group ends),
+        with no Python loop over experts and no host sync; the results are summed back per token
+        (one core, 8 experts of 256 → 512, top 2: forward + backward of 1,024 tokens 51 ms, 70
+        with a Python loop over the groups; a batch-4 decode layer 453 µs against 493). One token
+        (decode at batch 1) takes `_one_token` instead."""
+        if x.shape[0] == 1 and self.holds_all_experts:
+            return self._one_token(x, expert, weight)
         k = expert.shape[1]
         pairs = expert.flatten()
         order = pairs.argsort(stable=True)
-        rows = x[order // k]  # the tokens, grouped by expert
+        token = order // k  # the tokens, grouped by expert
         counts = torch.bincount(pairs, minlength=self.num_experts)
-        y = self.run_grouped(rows, counts) * weight.flatten()[order, None].to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, order // k, y)
+        y = self.run_grouped(x[token], counts) * weight.flatten()[order, None].to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token, y)
+
+    def _one_token(self, x: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x (1, d): the k experts' outputs (k, d), summed by one (1, k) @ (k, d). At one row the
+        grouped path's sort, count, gather and scatter, and grouped_mm's pass over every expert,
+        cost more than the chosen experts' matmuls (same sizes: 162 µs a layer, 238 with grouped_mm)."""
+        return weight.to(x.dtype) @ torch.cat([self.expert(e, x) for e in expert[0].tolist()])
 
     def run_grouped(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """rows (N·k, d) grouped by expert, counts[e] of them for expert e → each row's expert
-        output, in the same order. Experts with no rows are skipped (decode routes few tokens)."""
-        outs = [self.expert(e, group) for e, group in enumerate(rows.split(counts.tolist())) if len(group)]
-        return torch.cat(outs)
+        output, in the same order: one grouped matmul per projection."""
+        ends = counts.cumsum(0, dtype=torch.int32)
+        gate, up = F.grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+        return F.grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)
 
     def expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         """Expert e's SwiGLU over its rows (n, d) → (n, d)."""
@@ -232,6 +247,9 @@ class Router(nn.Linear):
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(N, E) router logits → each token's expert weights and expert ids, both (N, k)."""
+        if self.normalize and not self.sigmoid and self.method == "greedy":  # Mixtral: the top k's softmax
+            top, expert = torch.topk(logits.float(), self.top_k, dim=-1)  # probabilities renormalised are
+            return top.softmax(dim=-1) * self.scaling, expert  # the softmax of their logits: fewer ops
         scores = logits.float().sigmoid() if self.sigmoid else logits.float().softmax(dim=-1)
         choice = scores + self.e_score_correction_bias if self.method == "noaux_tc" else scores
         if self.method != "greedy" and self.n_group > 1:
@@ -280,7 +298,7 @@ class MoE(nn.Module):
         weight, expert = self.gate.route(logits)
         out = self.experts(flat, expert, weight)
         if hasattr(self, "shared_expert"):
-            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+            out = torch.addcmul(out, torch.sigmoid(self.shared_expert_gate(flat)), self.shared_expert(flat))
         elif hasattr(self, "shared_experts"):
             out = out + self.shared_experts(flat)
         if self.training:

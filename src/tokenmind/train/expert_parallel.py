@@ -46,6 +46,8 @@ from tokenmind.model.transformer import Experts, MoE
 class ShardedExperts(Experts):
     """This rank's num_experts / W experts of `experts`; tokens reach them over `group` (size W)."""
 
+    holds_all_experts = False
+
     def __init__(self, experts: Experts, group: dist.ProcessGroup):
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         if experts.num_experts % world:
