@@ -122,6 +122,15 @@ def test_hf_round_trip_loads_in_transformers_and_back_with_equal_logits(tmp_path
 ])
 def test_the_paged_engine_decodes_a_moe_model_batched_as_it_does_alone(model_type, extra):
     model = tiny_moe(model_type, **extra)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (3, 9, 17, 5)]
+    engine = Engine(model, config=EngineConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=8))
+    ids = [engine.add_request(p, params) for p in prompts]
+    finals, _ = run(engine)
+    assert [finals[i].token_ids for i in ids] == [naive_greedy(model, p, 12) for p in prompts]
+
+
 def test_one_token_runs_its_experts_directly_with_the_grouped_result():
     experts = tiny_moe(num_experts=6, num_experts_per_tok=3).layers[0].mlp.experts
     g = torch.Generator().manual_seed(4)
@@ -131,17 +140,6 @@ def test_one_token_runs_its_experts_directly_with_the_grouped_result():
         grouped = experts(x, expert, weight)  # 5 tokens: sorted by expert
         alone = torch.cat([experts(x[i:i + 1], expert[i:i + 1], weight[i:i + 1]) for i in range(5)])
     torch.testing.assert_close(alone, grouped, atol=1e-5, rtol=0)  # fp32 rounding: outputs are O(1)
-
-
-def test_the_paged_engine_decodes_a_moe_model_batched_as_it_does_alone():
-    model = tiny_moe("qwen2_moe", moe_intermediate_size=24, shared_expert_intermediate_size=40)
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (3, 9, 17, 5)]
-    engine = Engine(model, config=EngineConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=8))
-    ids = [engine.add_request(p, params) for p in prompts]
-    finals, _ = run(engine)
-    assert [finals[i].token_ids for i in ids] == [naive_greedy(model, p, 12) for p in prompts]
 
 
 def test_active_parameters_count_only_the_chosen_experts():
