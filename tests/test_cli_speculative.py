@@ -1,4 +1,4 @@
-"""`--speculative` on `tokenmind generate` / `chat`: n-gram and draft-model drafting give the same
+"""`--speculative` on `tokenmind generate` / `chat`: n-gram, draft-model and MTP drafting give the same
 greedy text as plain decoding, report their acceptance, and a draft model with another
 vocabulary is refused with the reason."""
 
@@ -58,3 +58,21 @@ def test_draft_model_with_another_vocabulary_is_refused(capsys, target, tmp_path
     other = tiny_dir(tmp_path, "other", vocab=300)
     assert main(["generate", "--model", str(target), "--speculative", str(other), PROMPT]) == 2
     assert "must share the target's tokenizer" in capsys.readouterr().err
+
+
+def test_mtp_drafting_gives_the_same_text_and_a_model_without_depths_is_refused(capsys, target, tmp_path):
+    from test_mtp import TINY
+
+    from tokenmind.model.config import ModelConfig
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**{**TINY, "vocab_size": 260, "max_position_embeddings": 512,
+                                       "num_nextn_predict_layers": 1})).eval()
+    model.init_weights(std=0.3)
+    path = save_hf_dir(model, tmp_path / "mtp", tokenizer=byte_tokenizer())
+    plain, _ = generate(capsys, path)
+    text, err = generate(capsys, path, "--speculative", "mtp")
+    assert text == plain and plain.strip()
+    assert "drafts accepted" in err
+    assert main(["generate", "--model", str(target), "--speculative", "mtp", PROMPT]) == 2
+    assert "num_nextn_predict_layers=0" in capsys.readouterr().err

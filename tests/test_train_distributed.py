@@ -1,8 +1,9 @@
 """Data parallelism on CPU: 2 gloo processes with B/2 rows each follow the 1-process curve of B.
 
-One spawn runs every distributed scenario (DDP, FSDP2, FSDP2 + Muon, FSDP2 crash + resume) in a
-process group the test creates, which `pretrain` joins instead of creating its own; the
-single-process references run in the test process.
+One spawn runs every distributed scenario (DDP, FSDP2, FSDP2 + Muon, FSDP2 with DeepSeek-V3's
+multi-token prediction, FSDP2 crash + resume) in a process group the test creates, which
+`pretrain` joins instead of creating its own; the single-process references run in the test
+process.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ from tokenmind.jsonl import read_jsonl
 
 STEPS = ["--train.steps=4", "--train.checkpoint_every=2"]
 MUON = ["--optim.name=muon", "--optim.muon_lr=0.02"]
+MTP = ["--model.model_type=deepseek_v3", "--model.num_experts=4", "--model.moe_intermediate_size=32",
+       "--model.num_key_value_heads=4", "--model.kv_lora_rank=16", "--model.q_lora_rank=24",
+       "--model.qk_nope_head_dim=16", "--model.qk_rope_head_dim=8", "--model.v_head_dim=16",
+       "--model.num_nextn_predict_layers=2"]  # DeepSeek-V3 with two multi-token prediction depths
 
 
 class Preempted(Exception):
@@ -46,6 +51,7 @@ def run_scenarios(rank: int, world_size: int, port: int, shards: Path, root: Pat
         pretrain(tiny_config(shards, root / "ddp", "--train.distributed=ddp", *half))
         pretrain(tiny_config(shards, root / "fsdp", "--train.distributed=fsdp", *half))
         pretrain(tiny_config(shards, root / "fsdp_muon", "--train.distributed=fsdp", *half, *MUON))
+        pretrain(tiny_config(shards, root / "fsdp_mtp", "--train.distributed=fsdp", *half, *MTP))
 
         crashed = tiny_config(shards, root / "fsdp_resumed", "--train.distributed=fsdp", *half)
         trainer = pretrainer(crashed)  # joins the group
@@ -70,6 +76,7 @@ def test_two_ranks_match_one_process_with_the_same_global_batch(tmp_path: Path) 
     shards = write_shards(tmp_path / "shards")
     single = pretrain(tiny_config(shards, tmp_path / "single", "--data.batch_size=4", *STEPS)).losses
     single_muon = pretrain(tiny_config(shards, tmp_path / "single_muon", "--data.batch_size=4", *STEPS, *MUON)).losses
+    single_mtp = pretrain(tiny_config(shards, tmp_path / "single_mtp", "--data.batch_size=4", *STEPS, *MTP)).losses
 
     mp.spawn(run_scenarios, args=(2, free_port(), shards, tmp_path), nprocs=2)
 
@@ -80,6 +87,8 @@ def test_two_ranks_match_one_process_with_the_same_global_batch(tmp_path: Path) 
     # (measured: 1.3e-4 by step 3); orthogonalizing each shard alone instead of the whole matrix: 3.4e-3.
     assert losses(tmp_path / "fsdp_muon") == pytest.approx(single_muon, abs=5e-4)
     assert losses(tmp_path / "fsdp_resumed") == pytest.approx(losses(tmp_path / "fsdp"), abs=1e-6)
+    # each MTP depth sharded on its own; its loss is a sum over tokens, so ranks add up to one process
+    assert losses(tmp_path / "fsdp_mtp") == pytest.approx(single_mtp, abs=1e-5)
     final = tmp_path / "fsdp" / "final"
     assert (final / "model.safetensors").exists() and (final / "config.json").exists()
     assert sorted(p.name for p in (tmp_path / "fsdp" / "checkpoints" / "step_000004").glob("rank_*.pt")) == [

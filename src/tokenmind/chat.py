@@ -19,11 +19,12 @@ from .model.load import Pretrained, load_model
 
 def interactive_llm(model: Pretrained, speculative: str | None = None) -> LLM:
     """An engine for one conversation at a time. `speculative`: None, "ngram" (prompt lookup, no
-    second model) or a draft model reference (path or alias) whose tokenizer is the target's."""
+    second model), "mtp" (the model's multi-token prediction depths) or a draft model reference
+    (path or alias) whose tokenizer is the target's."""
     if speculative is None:
         return LLM(model, max_num_seqs=1)
-    if speculative == "ngram":
-        return LLM(model, max_num_seqs=1, speculative=SpeculativeConfig("ngram"))
+    if speculative in ("ngram", "mtp"):
+        return LLM(model, max_num_seqs=1, speculative=SpeculativeConfig(speculative))
     dtype = model.model.embed_tokens.weight.dtype
     draft = load_model(speculative, dtype=dtype)
     return LLM(model, draft_model=draft, max_num_seqs=1, speculative=SpeculativeConfig("draft"))

@@ -58,10 +58,11 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
 
 
 def _add_speculative_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--speculative", default=None, metavar="ngram|MODEL",
+    p.add_argument("--speculative", default=None, metavar="ngram|mtp|MODEL",
                    help="speculative decoding: 'ngram' drafts by prompt lookup (no second model; fast when the "
-                        "answer copies from the prompt), or a smaller draft model with the same tokenizer. "
-                        "Greedy output is unchanged; sampling keeps the same distribution")
+                        "answer copies from the prompt), 'mtp' with the model's own multi-token prediction "
+                        "depths (DeepSeek-V3 checkpoints that ship them), or a smaller draft model with the same "
+                        "tokenizer. Greedy output is unchanged; sampling keeps the same distribution")
 
 
 def _add_stats_arg(p: argparse.ArgumentParser) -> None:
@@ -673,9 +674,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated browser origins allowed to call the API (default: none, CORS off)")
     p.add_argument("--stuck-step-timeout", type=float, metavar="SECONDS",
                    help="/health turns 503 when one engine step runs longer than this (default 120)")
-    p.add_argument("--speculative", metavar="ngram|MODEL",
-                   help="speculative decoding for every request: 'ngram' (prompt lookup) or a smaller draft model "
-                        "with the same tokenizer; greedy output is unchanged, /metrics shows the acceptance rate")
+    p.add_argument("--speculative", metavar="ngram|mtp|MODEL",
+                   help="speculative decoding for every request: 'ngram' (prompt lookup), 'mtp' (the model's "
+                        "multi-token prediction depths) or a smaller draft model with the same tokenizer; greedy "
+                        "output is unchanged, /metrics shows the acceptance rate")
     p.add_argument("--num-speculative-tokens", type=int, metavar="K", help="most draft tokens per step (default 8)")
     p.add_argument("--tool-parser", choices=["hermes", "json", "generic"],
                    help="how replies call tools (default: chosen from the chat template: <tool_call> tags → "

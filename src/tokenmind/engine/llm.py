@@ -30,7 +30,7 @@ from .sampler import sample_batch, token_logprobs
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .speculative import DraftModelProposer, make_proposer, spec_logprobs, verify
+from .speculative import DraftModelProposer, MTPProposer, make_proposer, spec_logprobs, verify
 from .structured import GrammarCompiler, advance
 
 
@@ -83,7 +83,8 @@ class Engine:
                  eos_token_ids: Iterable[int] | None = None, draft_model: Transformer | None = None):
         """`model` runs as given, shared and never modified: the engine neither copies, casts nor
         moves it, so updates to its weights (an RL policy step) are what the next step runs.
-        `draft_model`: the drafter for `config.speculative` with method "draft"."""
+        `draft_model`: the drafter for `config.speculative` with method "draft" ("mtp" drafts with
+        the model's own multi-token prediction depths)."""
         self.config = config = config or EngineConfig()
         weight = model.embed_tokens.weight
         if config.dtype is not None and config.dtype != weight.dtype:
@@ -102,7 +103,7 @@ class Engine:
         self.max_seq_len = min(self.max_model_len, num_blocks * config.block_size + 1)
         self.runner = ModelRunner(model, num_blocks, config.block_size)
         self.proposer = None if config.speculative is None else make_proposer(
-            config.speculative, draft_model, model.cfg.vocab_size, num_blocks, config.block_size)
+            config.speculative, model, draft_model, num_blocks, config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                           self._copy_block)
         self.scheduler = Scheduler(config, self.block_manager)
@@ -117,7 +118,7 @@ class Engine:
     def _copy_block(self, src: int, dst: int) -> None:
         """Copy-on-write of one block, in every pool that holds it."""
         self.runner.kv_cache.copy_block(src, dst)
-        if isinstance(self.proposer, DraftModelProposer):
+        if isinstance(self.proposer, (DraftModelProposer, MTPProposer)):
             self.proposer.copy_block(src, dst)
 
     # ----------------------------------------------------------------- requests
@@ -258,6 +259,8 @@ class Engine:
         self._propose(batch)
         chunks = [self._chunk(seq, n) for seq, n in batch]
         logits, offsets = self.runner.run(chunks)
+        if isinstance(self.proposer, MTPProposer):  # it drafts from the target's hidden states
+            self.proposer.observe(chunks, self.runner.hidden)
         self.num_steps += 1
         now = time.perf_counter()
         rows, seqs, changed = [], [], []

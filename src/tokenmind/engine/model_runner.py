@@ -32,8 +32,37 @@ class Chunk:
     logits: str = "last"
 
 
+def prepare(chunks: list[Chunk], block_size: int, device: torch.device
+            ) -> tuple[torch.Tensor, torch.Tensor, PagedAttentionMetadata, list[int]]:
+    """(input_ids (1, N), positions (1, N), metadata, the rows whose logits are wanted)."""
+    bs = block_size
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    starts, seq_lens, rows = [0], [], []
+    for chunk in chunks:
+        a, b, table = chunk.start, chunk.start + len(chunk.token_ids), chunk.seq.block_table
+        first = len(ids)
+        ids += chunk.token_ids
+        positions += range(a, b)
+        slots += [table[p // bs] * bs + p % bs for p in range(a, b)]
+        starts.append(len(ids))
+        seq_lens.append(b)
+        if chunk.logits == "all":
+            rows += range(first, len(ids))
+        elif chunk.logits == "last":
+            rows.append(len(ids) - 1)
+    width = max(-(-n // bs) for n in seq_lens)
+    tables = [c.seq.block_table[:width] + [0] * (width - min(width, len(c.seq.block_table))) for c in chunks]
+    meta = PagedAttentionMetadata(torch.tensor(slots, dtype=torch.int64, device=device), starts, seq_lens,
+                                  torch.tensor(tables, dtype=torch.int64, device=device))
+    return torch.tensor([ids], device=device), torch.tensor([positions], device=device), meta, rows
+
+
 class ModelRunner:
-    """Owns a model and the KV block pool (`kv_cache`) it reads and writes."""
+    """Owns a model and the KV block pool (`kv_cache`) it reads and writes. `hidden` keeps the last
+    pass's final hidden states (N, hidden), one row per fed token in chunk order: multi-token
+    prediction drafts from them."""
 
     def __init__(self, model: Transformer, num_blocks: int, block_size: int):
         self.model = model
@@ -42,43 +71,19 @@ class ModelRunner:
         self.kv_cache = PagedKVCache(model.cfg, num_blocks, block_size, dtype=weight.dtype, device=weight.device)
         self.adapters = adapter_names(model)  # the LoRA adapters a request may name
         self.routing = routing_of(model)
-
-    def prepare(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, PagedAttentionMetadata, list[int]]:
-        """(input_ids (1, N), positions (1, N), metadata, the rows whose logits are wanted)."""
-        bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        starts, seq_lens, rows = [0], [], []
-        for chunk in chunks:
-            a, b, table = chunk.start, chunk.start + len(chunk.token_ids), chunk.seq.block_table
-            first = len(ids)
-            ids += chunk.token_ids
-            positions += range(a, b)
-            slots += [table[p // bs] * bs + p % bs for p in range(a, b)]
-            starts.append(len(ids))
-            seq_lens.append(b)
-            if chunk.logits == "all":
-                rows += range(first, len(ids))
-            elif chunk.logits == "last":
-                rows.append(len(ids) - 1)
-        width = max(-(-n // bs) for n in seq_lens)
-        tables = [c.seq.block_table[:width] + [0] * (width - min(width, len(c.seq.block_table))) for c in chunks]
-        dev = self.device
-        meta = PagedAttentionMetadata(torch.tensor(slots, dtype=torch.int64, device=dev), starts, seq_lens,
-                                      torch.tensor(tables, dtype=torch.int64, device=dev))
-        return torch.tensor([ids], device=dev), torch.tensor([positions], device=dev), meta, rows
+        self.hidden: torch.Tensor | None = None
 
     def run(self, chunks: list[Chunk]) -> tuple[torch.Tensor, list[int]]:
         """Compute the chunks' k/v; return (R, V) float32 logits of the wanted rows, in chunk order,
         and each chunk's first row among them."""
-        input_ids, positions, meta, rows = self.prepare(chunks)
+        input_ids, positions, meta, rows = prepare(chunks, self.block_size, self.device)
         if self.adapters:
             self.routing.set_rows([c.seq.adapter for c in chunks for _ in c.token_ids], self.device)
         try:
             with torch.inference_mode():
                 hidden = self.model.hidden_states(input_ids, positions, meta, self.kv_cache)
                 logits = self.model.logits(hidden[0, rows]).float() if rows else hidden.new_empty(0, 0)
+            self.hidden = hidden[0]
         finally:
             self.routing.clear_rows()
         offsets, at = [], 0

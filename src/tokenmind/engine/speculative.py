@@ -15,10 +15,12 @@ the target's own, so every verification yields at least one token, and up to k +
   top-p / min-p, so the output is distributed exactly as the target's plain sampling.
 
 Proposers: `NgramProposer` (prompt lookup: copy what followed the latest earlier occurrence of the
-context's last n tokens; no second model, q is a point mass) and `DraftModelProposer` (a smaller
-model with the target's vocabulary). The draft model keeps its own block pool with the target's
-geometry and reads it through the target's block tables and slots, so it needs no bookkeeping of
-its own beyond how many tokens of each sequence its pool holds; copy-on-write copies both pools.
+context's last n tokens; no second model, q is a point mass), `DraftModelProposer` (a smaller
+model with the target's vocabulary) and `MTPProposer` (the target's own multi-token prediction
+depths, DeepSeek-V3). The draft model and the MTP depths keep their own block pool with the
+target's geometry and read it through the target's block tables and slots, so they need no
+bookkeeping of their own beyond how far each sequence's entries are computed; copy-on-write
+copies every pool.
 
 The draft length adapts per sequence (`adaptive`): +2 after a round that kept every draft, −1
 after one with a rejection, never below 1 (the heuristic of HF's assisted generation), so text
@@ -27,13 +29,15 @@ the proposer cannot predict costs short verifications only. Output is unaffected
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from ..model.paged_attention import PagedKVCache
 from ..model.transformer import Transformer
-from .model_runner import Chunk, ModelRunner
+from .model_runner import Chunk, ModelRunner, prepare
 from .outputs import TokenLogprob
 from .sampler import filter_batch, token_logprobs
 from .sequence import Sequence
@@ -41,8 +45,9 @@ from .sequence import Sequence
 
 @dataclass
 class SpeculativeConfig:
-    """How the engine speculates. method: "ngram" (prompt lookup) or "draft" (a draft model, given
-    to the engine). num_speculative_tokens: the most drafts per sequence and step."""
+    """How the engine speculates. method: "ngram" (prompt lookup), "draft" (a draft model, given
+    to the engine) or "mtp" (the model's multi-token prediction depths). num_speculative_tokens:
+    the most drafts per sequence and step."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 8  # on 2 cores 8 was best for prompt lookup (bench_speculative)
@@ -51,9 +56,10 @@ class SpeculativeConfig:
     min_ngram: int = 1
 
     def __post_init__(self) -> None:
-        if self.method not in ("ngram", "draft"):
-            raise ValueError(f"speculative method {self.method!r}: choose 'ngram' (prompt lookup) or 'draft' "
-                             "(a smaller model with the same tokenizer)")
+        if self.method not in ("ngram", "draft", "mtp"):
+            raise ValueError(f"speculative method {self.method!r}: choose 'ngram' (prompt lookup), 'draft' "
+                             "(a smaller model with the same tokenizer) or 'mtp' (the model's multi-token "
+                             "prediction depths)")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         if not 1 <= self.min_ngram <= self.max_ngram:
@@ -168,35 +174,167 @@ class DraftModelProposer:
             if not live:
                 break
             logits = self.runner.run(chunks)[0]
-            self._draw(logits, [seqs[i] for i in live], [drafts[i] for i in live], [probs[i] for i in live])
-        for i, ps in probs.items():
-            if ps:
-                drafts[i].probs = torch.stack(ps)
+            _draw(logits, [seqs[i] for i in live], [drafts[i] for i in live], [probs[i] for i in live])
+        _stack_probs(drafts, probs)
         return drafts
-
-    @staticmethod
-    def _draw(logits: torch.Tensor, seqs: list[Sequence], drafts: list[Draft], probs: list[list[torch.Tensor]]):
-        """One draft token per sequence: the argmax for greedy requests, else a draw from the filtered q."""
-        greedy = logits.argmax(-1).tolist()
-        sampled = [j for j, seq in enumerate(seqs) if not seq.params.greedy]
-        if sampled:
-            q = filter_batch(logits[sampled], [seqs[j].params for j in sampled]).softmax(-1)
-            for row, j in enumerate(sampled):
-                greedy[j] = int(torch.multinomial(q[row], 1, generator=seqs[j].generator))
-                probs[j].append(q[row])
-        for draft, token in zip(drafts, greedy):
-            draft.tokens.append(token)
 
     def verified(self, seq: Sequence, num_tokens_before: int, drafted: int, accepted: int) -> None:
         # The pool holds the context and the drafts fed back in (all but the last); of those, the kept ones.
         seq.spec_state = num_tokens_before + min(accepted, max(drafted - 1, 0))
 
 
-def make_proposer(config: SpeculativeConfig, draft_model: Transformer | None, target_vocab: int, num_blocks: int,
+def _draw(logits: torch.Tensor, seqs: list[Sequence], drafts: list[Draft], probs: list[list[torch.Tensor]]) -> None:
+    """One draft token per sequence: the argmax for greedy requests, else a draw from the filtered q."""
+    greedy = logits.argmax(-1).tolist()
+    sampled = [j for j, seq in enumerate(seqs) if not seq.params.greedy]
+    if sampled:
+        q = filter_batch(logits[sampled], [seqs[j].params for j in sampled]).softmax(-1)
+        for row, j in enumerate(sampled):
+            greedy[j] = int(torch.multinomial(q[row], 1, generator=seqs[j].generator))
+            probs[j].append(q[row])
+    for draft, token in zip(drafts, greedy):
+        draft.tokens.append(token)
+
+
+def _stack_probs(drafts: list[Draft], probs: dict[int, list[torch.Tensor]]) -> None:
+    """Each sampled draft's q rows, one per token, as the (k, V) tensor `verify` reads."""
+    for i, ps in probs.items():
+        if ps:
+            drafts[i].probs = torch.stack(ps)
+
+
+class MTPState:
+    """One sequence's drafting state: the target's final hidden states of positions start, start + 1,
+    ... as the steps computed them (rows past the sequence's length are rejected drafts', replaced
+    when those positions run again), and `done`: every depth's pool entries below it come from
+    the sequence's real tokens (or, past a prefix-cache hit, are the ones the cached blocks hold).
+
+    The rows live in a buffer grown by doubling, so a sequence that goes on without drafting (a
+    penalised or grammar-bound request never drafts) costs amortised O(1) per token, not a copy
+    of its whole history every step."""
+
+    def __init__(self, start: int, rows: torch.Tensor):
+        self.start = self.done = start
+        self.buffer, self.length = rows, len(rows)
+
+    def put(self, start: int, rows: torch.Tensor) -> None:
+        """The rows of positions start.., replacing those held from `start` on."""
+        at, end = start - self.start, start - self.start + len(rows)
+        if end > len(self.buffer):
+            grown = self.buffer.new_empty(max(end, 2 * len(self.buffer)), self.buffer.shape[1])
+            grown[:at] = self.buffer[:at]
+            self.buffer = grown
+        self.buffer[at:end] = rows
+        self.length = end
+
+    def rows(self, a: int, b: int) -> torch.Tensor:
+        """The hidden states of positions a..b-1."""
+        return self.buffer[a - self.start:b - self.start]
+
+    def forget_before(self, position: int) -> None:
+        drop = min(max(0, position - self.start), self.length)
+        self.start, self.buffer, self.length = self.start + drop, self.buffer[drop:], self.length - drop
+
+
+class MTPProposer:
+    """Drafts with the target's own multi-token prediction depths (DeepSeek-V3 §2.2), over a block
+    pool of their own (one layer per depth) read through the target's block tables.
+
+    Depth j (0-based) writes slot p from (depth j - 1's output at p - 1, token p): the target's
+    final hidden state for j = 0, which the engine hands over after every step (`observe`). With N
+    tokens, the last one not yet run by the target, depth 0 at slot N - 1 predicts token N, the
+    first draft; depth j at slot N - 1 + j, fed the drafts as its tokens p >= N, predicts draft
+    j + 1 — the chain the depths were trained as. Every depth runs each round, so the real slots
+    below N are filled even when fewer drafts are asked for than there are depths. More drafts than
+    depths reuse the last depth, fed its own previous output (vLLM reuses depth 1 for V3's single
+    depth the same way): an untrained use, so later drafts are accepted less often. Slots written
+    from drafts are recomputed the next round; the depth j chunk starts D - 1 - j slots below
+    `done` so each depth finds its previous depth's outputs computed in the same round.
+    """
+
+    def __init__(self, model: Transformer, num_blocks: int, block_size: int):
+        self.model, self.depths = model, len(model.mtp)
+        weight = model.embed_tokens.weight
+        cfg = dataclasses.replace(model.cfg, num_hidden_layers=self.depths)  # one pool layer per depth
+        self.kv_cache = PagedKVCache(cfg, num_blocks, block_size, dtype=weight.dtype, device=weight.device)
+        self.block_size, self.device = block_size, weight.device
+
+    def copy_block(self, src: int, dst: int) -> None:
+        self.kv_cache.copy_block(src, dst)
+
+    def observe(self, chunks: list[Chunk], hidden: torch.Tensor) -> None:
+        """Keep the target's final hidden states (N, hidden) of a step's chunks (`ModelRunner.hidden`)."""
+        at = 0
+        for chunk in chunks:
+            rows, at = hidden[at:at + len(chunk.token_ids)], at + len(chunk.token_ids)
+            st = chunk.seq.spec_state
+            if isinstance(st, MTPState):
+                st.put(chunk.start, rows)
+            else:  # new or preempted; after a prefix-cache hit the cached part is trusted as the pool holds it
+                chunk.seq.spec_state = MTPState(chunk.start, rows.clone())
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+        D = self.depths
+        drafts = [Draft([]) for _ in seqs]
+        probs: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(seqs))}
+        # Every step the target ran for a sequence left its hidden states (`observe`), the last token's
+        # at N - 2 at least; a sequence it has not run yet (a fresh fork) drafts nothing.
+        live = [i for i, seq in enumerate(seqs) if isinstance(seq.spec_state, MTPState)]
+        prev: dict[int, torch.Tensor] = {}  # each live sequence's outputs of the previous round
+        for r in range(max([D, *(ks[i] for i in live)]) if live else 0):
+            depth = min(r, D - 1)
+            chunks, owners, inputs, wanted = [], [], [], []
+            for i in live:
+                seq, st, k, N = seqs[i], seqs[i].spec_state, ks[i], seqs[i].num_tokens
+                if r < D:  # the chain: real slots from below `done`, then the drafts so far
+                    first, last = max(st.done - (D - 1 - r), st.start + 1 + r), N - 1 + (r if r < k else 0)
+                    if first > last:  # (nothing real to catch up at this depth yet)
+                        continue
+                    h = st.rows(first - 1, last) if r == 0 else prev[i][:last - first + 1]
+                elif r < k:  # past the depths: the last depth again, one slot
+                    first = last = N - 1 + r
+                    h = prev[i][-1:]
+                else:
+                    continue
+                tokens = [seq.token_ids[p] if p < N else drafts[i].tokens[p - N] for p in range(first, last + 1)]
+                chunks.append(Chunk(seq, tokens, first, logits="last" if r < k else "none"))
+                owners.append(i)
+                inputs.append(h)
+                if r < k:
+                    wanted.append(i)
+            if not chunks:
+                continue
+            ids, positions, meta, rows = prepare(chunks, self.block_size, self.device)
+            meta.first_key = depth + 1
+            with torch.inference_mode():
+                out = self.model.mtp_step(depth, ids, torch.cat(inputs)[None], positions, meta, self.kv_cache)[0]
+                if rows:
+                    _draw(self.model.logits(out[rows]).float(), [seqs[i] for i in wanted],
+                          [drafts[i] for i in wanted], [probs[i] for i in wanted])
+            for i, rows_i in zip(owners, out.split([len(c.token_ids) for c in chunks])):
+                prev[i] = rows_i
+        for i in live:  # every depth's real slots now reach N; keep the hidden states the next round reads
+            st = seqs[i].spec_state
+            st.done = seqs[i].num_tokens
+            st.forget_before(st.done - D)
+        _stack_probs(drafts, probs)
+        return drafts
+
+    def verified(self, seq: Sequence, num_tokens_before: int, drafted: int, accepted: int) -> None:
+        pass  # the next round recomputes every slot from `done` on, from the hidden states `observe` keeps
+
+
+def make_proposer(config: SpeculativeConfig, model: Transformer, draft_model: Transformer | None, num_blocks: int,
                   block_size: int) -> Proposer:
     """The proposer `config` names; a draft model must share the target's vocabulary."""
     if config.method == "ngram":
         return NgramProposer(config.max_ngram, config.min_ngram)
+    if config.method == "mtp":
+        if not len(model.mtp):
+            raise ValueError("speculative method 'mtp' drafts with the model's multi-token prediction depths, and "
+                             "this model has none (num_nextn_predict_layers=0); use 'ngram' or a draft model")
+        return MTPProposer(model, num_blocks, block_size)
+    target_vocab = model.cfg.vocab_size
     if draft_model is None:
         raise ValueError("speculative method 'draft' needs a draft model (draft_model=...); use 'ngram' for none")
     if draft_model.cfg.vocab_size != target_vocab:

@@ -5,6 +5,7 @@ HF directories out. Weights are only ever read through safetensors/GGUF, never `
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -28,9 +29,22 @@ _FUSED = {  # our fused module → the HF modules stacked in it, in order
     "mlp.shared_experts.gate_up_proj": ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"),
 }
 
-def from_hf_state_dict(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF names (`model.layers.0.self_attn.q_proj.weight`, ...) → ours (fused q/k/v and gate/up)."""
+# A DeepSeek-V3 multi-token prediction depth k is checkpoint layer num_hidden_layers + k; it also
+# stores copies of the embedding and LM head, which ours shares with the model (`MTPLayer`).
+_MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+
+
+def from_hf_state_dict(hf: dict[str, torch.Tensor], num_hidden_layers: int | None = None) -> dict[str, torch.Tensor]:
+    """HF names (`model.layers.0.self_attn.q_proj.weight`, ...) → ours (fused q/k/v and gate/up).
+    With `num_hidden_layers`, layers past it are multi-token prediction depths (`mtp.{k}.`)."""
     ours = {k.removeprefix("model."): v for k, v in hf.items() if "rotary_emb" not in k}
+    if num_hidden_layers is not None:
+        for name in [n for n in ours if n.startswith("layers.")]:
+            _, index, rest = name.split(".", 2)
+            if int(index) >= num_hidden_layers:
+                tensor = ours.pop(name)
+                if rest not in _MTP_COPIES:
+                    ours[f"mtp.{int(index) - num_hidden_layers}.{rest}"] = tensor
     for name in list(ours):
         for fused, parts in _FUSED.items():
             if name.split(".", 2)[-1].startswith(parts[0] + "."):  # layers.{i}.<part>.<weight|bias>
@@ -55,9 +69,16 @@ def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     sizes = {"self_attn.qkv_proj": [q, kv, kv], "mlp.gate_up_proj": [cfg.intermediate_size] * 2,
              "mlp.shared_expert.gate_up_proj": [cfg.shared_expert_intermediate_size] * 2,
              "mlp.shared_experts.gate_up_proj": [cfg.shared_experts_intermediate_size] * 2}
-    for name, tensor in model.state_dict().items():
+    state = model.state_dict()
+    for k in range(cfg.num_nextn_predict_layers):  # the checkpoint layout keeps per-depth copies of both
+        state[f"mtp.{k}.embed_tokens.weight"] = state["embed_tokens.weight"].clone()  # (safetensors refuses
+        state[f"mtp.{k}.shared_head.head.weight"] = model.lm_head.weight.detach().clone()  # shared memory)
+    for name, tensor in state.items():
         if cfg.tie_word_embeddings and name == "lm_head.weight":
             continue
+        if name.startswith("mtp."):
+            _, k, rest = name.split(".", 2)
+            name = f"layers.{cfg.num_hidden_layers + int(k)}.{rest}"
         hf_name = name if name.startswith(("lm_head.", "score.")) else f"model.{name}"  # heads sit outside `model.`
         for fused, parts in _FUSED.items():
             if f".{fused}." in name:
@@ -106,11 +127,18 @@ def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], *, source
                 dtype: torch.dtype = torch.float32, cls: type[Transformer] = Transformer) -> Transformer:
     """Create a `Transformer` (or the subclass `cls`) and load HF-named weights into it, checking
     names and shapes. Meta tensors in `state_dict` stay placeholders for the caller to replace
-    (a quantized GGUF load swaps those linears for kernels built from the file's blocks)."""
+    (a quantized GGUF load swaps those linears for kernels built from the file's blocks). A config
+    that announces multi-token prediction depths whose weights the checkpoint lacks (transformers
+    saves DeepSeek-V3 without them but keeps num_nextn_predict_layers) loads without them; depths
+    past the config's count are skipped, as transformers skips them all."""
+    ours = from_hf_state_dict(state_dict, cfg.num_hidden_layers)
+    if cfg.num_nextn_predict_layers and not any(k.startswith("mtp.") for k in ours):
+        cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0)
+    ours = {k: v for k, v in ours.items() if not k.startswith("mtp.")
+            or int(k.split(".")[1]) < cfg.num_nextn_predict_layers}
     with torch.device("meta"):
         model = cls(cfg)
     expected = {k: v.shape for k, v in model.state_dict().items()}
-    ours = from_hf_state_dict(state_dict)
     if cfg.tie_word_embeddings or model.lm_head is None:
         ours.pop("lm_head.weight", None)
         expected.pop("lm_head.weight", None)

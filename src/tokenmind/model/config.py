@@ -1,9 +1,9 @@
 """`ModelConfig`: the one description of a decoder-only Transformer, and its mapping to HF `config.json`.
 
 Every supported family (Llama, Mistral, Qwen2, Qwen3, SmolLM, Gemma 2, Gemma 3; the mixtures of
-experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, and DeepSeek-V2/V3 with multi-head latent attention)
-is the same network with a few switches, so the switches live here and the `Transformer` reads
-only this dataclass.
+experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, and DeepSeek-V2/V3 with multi-head latent attention
+and V3's multi-token prediction) is the same network with a few switches, so the switches live
+here and the `Transformer` reads only this dataclass.
 """
 
 from __future__ import annotations
@@ -99,6 +99,11 @@ class ModelConfig:
     query_pre_attn_scalar: int | None = None  # attention scores scaled by this ** -0.5 (None → head_dim ** -0.5)
     layer_types: list[str] | None = None  # per layer "sliding_attention" | "full_attention"; None → all slide
     rope_local_theta: float | None = None  # Gemma 3: RoPE base of the sliding layers, unscaled (None → 10000)
+    # Multi-token prediction (DeepSeek-V3): D extra depths after the model, depth k predicting the token
+    # k + 1 ahead; trained with weight mtp_loss_weight (the paper's λ: 0.3, later 0.1), and at inference
+    # the engine's `--speculative mtp` drafter. Not counted in num_parameters (as V3's 671B leaves them out).
+    num_nextn_predict_layers: int = 0
+    mtp_loss_weight: float = 0.3
     model_type: str = "llama"
     extra: dict[str, Any] = field(default_factory=dict)  # HF keys we carry through unchanged
 
@@ -169,6 +174,13 @@ class ModelConfig:
                                  "bias of topk_method='noaux_tc' routing; set topk_method='noaux_tc'")
             if self.hidden_act != "silu":
                 raise ValueError(f"hidden_act={self.hidden_act!r}: a mixture's experts are SwiGLU MLPs; use 'silu'")
+        if self.num_nextn_predict_layers < 0 or self.mtp_loss_weight < 0:
+            raise ValueError(f"num_nextn_predict_layers ({self.num_nextn_predict_layers}) and mtp_loss_weight "
+                             f"({self.mtp_loss_weight}) must be >= 0")
+        if self.num_nextn_predict_layers and self.model_type != "deepseek_v3":
+            raise ValueError("multi-token prediction modules (num_nextn_predict_layers) follow DeepSeek-V3's "
+                             "architecture and checkpoint layout; set model_type='deepseek_v3' or "
+                             "num_nextn_predict_layers=0")
         self._check_gemma_fields()
 
     def _check_gemma_fields(self) -> None:
@@ -305,7 +317,7 @@ class ModelConfig:
         known = {f.name for f in dataclasses.fields(cls)} | {
             "rope_parameters", "attention_bias", "use_sliding_window", "architectures", "torch_dtype", "dtype",
             "transformers_version", "hidden_act", "num_local_experts", "qkv_bias", "n_routed_experts",
-            "hidden_activation", "rope_local_base_freq", "sliding_window_pattern",
+            "hidden_activation", "rope_local_base_freq", "sliding_window_pattern", "num_mtp_layers",
         }
         if model_type not in GEMMA_MODEL_TYPES:
             known.discard("layer_types")  # other families' ride along in `extra` (transformers derives them)
@@ -340,6 +352,7 @@ class ModelConfig:
             hidden_act=act,
             **_moe_from_hf(hf, model_type),
             **_mla_from_hf(hf, model_type),
+            **_mtp_from_hf(hf, model_type),
         )
         return cls(**{**fields, **_gemma_from_hf(hf, model_type)})
 
@@ -401,8 +414,10 @@ class ModelConfig:
                       v_head_dim=self.v_head_dim)
             if self.model_type == "deepseek_v2":
                 hf["topk_method"] = self.topk_method
-            else:
-                hf["rope_interleave"] = self.rope_interleave
+            else:  # written even when 0: transformers' default is 1
+                hf.update(rope_interleave=self.rope_interleave, num_nextn_predict_layers=self.num_nextn_predict_layers)
+                if self.num_nextn_predict_layers:
+                    hf["mtp_loss_weight"] = self.mtp_loss_weight  # ours, carried through
             if self.router_bias_update_rate:
                 hf["router_bias_update_rate"] = self.router_bias_update_rate  # ours, carried through
         for name in ("attn_logit_softcapping", "final_logit_softcapping"):
@@ -455,6 +470,16 @@ def _moe_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
     if model_type == "qwen2_moe":
         out["shared_expert_intermediate_size"] = hf.get("shared_expert_intermediate_size", 5632)
     return out
+
+
+def _mtp_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """DeepSeek-V3's multi-token prediction depths ({} otherwise). transformers writes
+    `num_nextn_predict_layers` (its alias `num_mtp_layers` is read too) and defaults it to 1 even for
+    checkpoints without those weights; the loader then drops them (`checkpoint.build_model`)."""
+    if model_type != "deepseek_v3":
+        return {}
+    return {"num_nextn_predict_layers": int(hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")) or 0),
+            "mtp_loss_weight": float(hf.get("mtp_loss_weight", 0.3))}
 
 
 def _mla_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, Any]:

@@ -84,12 +84,15 @@ class PagedAttentionMetadata:
     query_start_loc: python list of S+1 offsets into the N tokens.
     seq_lens: python list of S context lengths *including* this step's tokens.
     block_tables: (S, max_blocks) int64 block ids, padded with 0.
+    first_key: positions below it hold no key and are never attended to (a multi-token prediction
+        depth k has no entry for the first k positions of a sequence).
     """
 
     slot_mapping: torch.Tensor
     query_start_loc: list[int]
     seq_lens: list[int]
     block_tables: torch.Tensor
+    first_key: int = 0
     _decode: dict = field(default_factory=dict, init=False, repr=False)  # window → DecodeBatch
     _masks: dict = field(default_factory=dict, init=False, repr=False)  # (sequence, window) → causal mask
     _runs: list | None = field(default=None, init=False, repr=False)
@@ -113,7 +116,8 @@ class PagedAttentionMetadata:
         key = (i, window)
         if key not in self._masks:
             q_len = self.query_start_loc[i + 1] - self.query_start_loc[i]
-            self._masks[key] = _causal_mask(q_len, self.seq_lens[i], window, self.block_tables.device)
+            self._masks[key] = _causal_mask(q_len, self.seq_lens[i], window, self.block_tables.device,
+                                            self.first_key)
         return self._masks[key]
 
     def decode_batch(self, block_size: int, window: int | None) -> DecodeBatch | None:
@@ -163,6 +167,8 @@ class DecodeBatch:
         run = meta.run_start(decode[0], block_size) if len(decode) == 1 else None
         k_pos = torch.arange(longest, device=device)[None, :]
         allowed = k_pos < d_lens[:, None]
+        if meta.first_key:
+            allowed = allowed & (k_pos >= meta.first_key)
         if window is not None:
             allowed = allowed & (d_lens[:, None] - 1 - k_pos < window)
         mask = None if bool(allowed.all()) else allowed[:, None, None, :]
@@ -187,11 +193,14 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int, run: in
     return _gather_blocks(cache, block_table[None])[0, :length].transpose(0, 1)
 
 
-def _causal_mask(q_len: int, k_len: int, window: int | None, device) -> torch.Tensor:
-    """Causal (and windowed) mask for queries that are the last q_len of k_len positions."""
+def _causal_mask(q_len: int, k_len: int, window: int | None, device, first_key: int = 0) -> torch.Tensor:
+    """Causal (and windowed) mask for queries that are the last q_len of k_len positions, over keys
+    from position first_key on."""
     q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]
     k_pos = torch.arange(k_len, device=device)[None, :]
     allowed = k_pos <= q_pos
+    if first_key:
+        allowed = allowed & (k_pos >= first_key)
     if window is not None:
         allowed = allowed & (q_pos - k_pos < window)
     return allowed

@@ -6,7 +6,8 @@ RMSNorm → LM head. Module names follow Hugging Face checkpoints, except that q
 are each one fused matrix (`qkv_proj`, `gate_up_proj`): one matmul instead of three or two,
 which matters when decode is bound by per-op overhead. `checkpoint.py` splits and joins them.
 In a mixture-of-experts model (`cfg.num_experts`) the MLP of some or all layers is a `MoE`;
-DeepSeek models attend through `LatentAttention` (multi-head latent attention).
+DeepSeek models attend through `LatentAttention` (multi-head latent attention), and DeepSeek-V3
+may add multi-token prediction depths after the model (`MTPLayer`, `Transformer.mtp`).
 Gemma 2/3 add their traits through `ModelConfig`: a `SandwichBlock` (norms after each sublayer
 too), GELU-tanh in the gated MLP, RMSNorm by (1 + weight), embeddings × sqrt(hidden), the
 query_pre_attn_scalar, and local (sliding, own RoPE in Gemma 3) layers between global ones.
@@ -360,12 +361,15 @@ def router_aux_loss(model: nn.Module) -> torch.Tensor | None:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    """layer_idx: the layer's index in its KV pool; moe: whether its MLP is a mixture of experts
+    (default: what the config says of layer layer_idx)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, moe: bool | None = None):
         super().__init__()
         self.input_layernorm = rms_norm(cfg)
         self.self_attn = LatentAttention(cfg, layer_idx) if cfg.kv_lora_rank else Attention(cfg, layer_idx)
         self.post_attention_layernorm = rms_norm(cfg)
-        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg)
+        self.mlp = MoE(cfg) if (cfg.is_moe_layer(layer_idx) if moe is None else moe) else MLP(cfg)
         self.local_rope = cfg.rope_local_theta is not None and cfg.is_sliding_layer(layer_idx)  # Gemma 3
 
     def forward(self, x, cos, sin, attn, kv_cache=None):
@@ -388,6 +392,47 @@ class SandwichBlock(Block):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
+class MTPLayer(Block):
+    """One multi-token prediction depth (DeepSeek-V3, arXiv 2412.19437 §2.2): the previous depth's
+    output h (the main model's final-normed hidden state for the first depth) and the embedding of
+    the next token are each RMS-normed, concatenated as [embedding; hidden] and projected back to
+    the model width (`eh_proj`), run through one decoder block of its own, and normed again
+    (`shared_head.norm`) for the shared LM head. That normed output is also what the next depth
+    reads, as transformers' `MtpModel` and SGLang chain the depths (vLLM chains the output before
+    the norm; V3 ships one depth, where the two agree). Module names are those of V3's checkpoint
+    layer `model.layers.{num_hidden_layers + depth}`; its block is a mixture of experts whenever
+    the model has experts (layer 61 of V3 is).
+
+    Layout: the depth reads slot p as (h of the previous depth at p - 1, token p) at RoPE position p,
+    so its output at p predicts token p + 1, like the main model's, and its key/value at p depends
+    on tokens 0..p only — a block of the engine's pool holds MTP entries that are a function of the
+    block's tokens and prefix, like the model's own, so prefix sharing and copy-on-write hold. The
+    first `depth + 1` slots have no previous hidden state and are never attended to."""
+
+    def __init__(self, cfg: ModelConfig, depth: int):
+        super().__init__(cfg, depth, moe=cfg.num_experts > 0)  # depth: its layer in the MTP pool
+        self.loss_weight = cfg.mtp_loss_weight  # λ of the training objective
+        d = cfg.hidden_size
+        self.enorm, self.hnorm = rms_norm(cfg), rms_norm(cfg)
+        self.eh_proj = nn.Linear(2 * d, d, bias=False)
+        self.shared_head = nn.ModuleDict({"norm": rms_norm(cfg)})  # the head itself is the model's
+
+    def forward(self, embeds, prev, cos, sin, attn, kv_cache=None):
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(prev)], dim=-1))
+        return self.shared_head["norm"](super().forward(x, cos, sin, attn, kv_cache))
+
+
+def mtp_chain_valid(document_ids: torch.Tensor | None, shape: torch.Size, depth: int) -> torch.Tensor:
+    """(B, T) bool: slots of a dense batch where MTP depth `depth` (1-based) has a chain, i.e. the main
+    model's hidden state `depth` positions back lies in the same row and document."""
+    p = torch.arange(shape[1], device=document_ids.device if document_ids is not None else None)
+    valid = (p >= depth).expand(shape)
+    if document_ids is not None:
+        back = document_ids[:, (p - depth).clamp(min=0)]
+        valid = valid & (back == document_ids)
+    return valid
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -404,6 +449,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg)
         self.local_rotary = RotaryEmbedding(cfg, local=True) if cfg.rope_local_theta is not None else None
+        self.mtp = nn.ModuleList(MTPLayer(cfg, k) for k in range(cfg.num_nextn_predict_layers))
         self.gradient_checkpointing = False  # recompute each block's activations in backward (saves memory)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
@@ -455,15 +501,58 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 attn: AttentionMetadata | None = None, kv_cache: PagedKVCache | None = None,
-                logits_at: torch.Tensor | None = None) -> torch.Tensor:
+                logits_at: torch.Tensor | None = None, mtp: bool = False):
         """Logits (B, T, vocab) for every position; see `hidden_states` for the arguments.
         logits_at: flat indices into the B·T positions; then only their logits, (N, vocab): a
         loss on a few positions skips the output layer (a large share of a small model's
-        compute) everywhere else."""
+        compute) everywhere else.
+        mtp: (training) also run the multi-token prediction depths; returns (logits, [each depth's
+        (B, T, vocab) logits]), where depth k's at position p predict token p + 1 from the main
+        model's hidden state at p - k and the tokens p - k + 1..p (`mtp_hidden_states`)."""
         hidden = self.hidden_states(input_ids, positions, attn, kv_cache)
+        if mtp:
+            if logits_at is not None or kv_cache is not None:
+                raise ValueError("mtp=True is for training on whole sequences: no logits_at, no kv_cache")
+            depths = self.mtp_hidden_states(input_ids, hidden, positions, attn)
+            return self.logits(hidden), [self.logits(h) for h in depths]
         if logits_at is not None:
             hidden = hidden.flatten(0, 1)[logits_at]
         return self.logits(hidden)
+
+    def mtp_hidden_states(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor | None = None,
+                          attn: DenseAttentionMetadata | None = None) -> list[torch.Tensor]:
+        """Every multi-token prediction depth's output (B, T, hidden) over a dense batch, from the main
+        model's final-normed `hidden`. Depth k reads each slot's previous-depth state one position
+        back (`MTPLayer`); slots whose chain would reach before their document's (or row's) start
+        attend only to themselves and are attended by none, so they leave the rest untouched."""
+        if isinstance(attn, PagedAttentionMetadata) or (attn is not None and (
+                attn.prefix_len is not None or attn.parent_ids is not None)):
+            raise ValueError("multi-token prediction trains on causal rows of packed documents (document_ids, "
+                             "key_padding); shared-prefix batches and the paged cache are not supported here")
+        attn = attn or DenseAttentionMetadata()
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)
+        outputs, h = [], hidden
+        for k in range(len(self.mtp)):
+            valid = mtp_chain_valid(attn.document_ids, input_ids.shape, k + 1)
+            if attn.key_padding is not None:
+                valid = valid & attn.key_padding
+            meta = DenseAttentionMetadata(document_ids=attn.document_ids, key_padding=valid)
+            h = self.mtp_step(k, input_ids, F.pad(h[:, :-1], (0, 0, 1, 0)), positions, meta)
+            outputs.append(h)
+        return outputs
+
+    def mtp_step(self, depth: int, input_ids: torch.Tensor, prev: torch.Tensor, positions: torch.Tensor,
+                 attn: DenseAttentionMetadata | PagedAttentionMetadata, kv_cache: PagedKVCache | None = None
+                 ) -> torch.Tensor:
+        """Multi-token prediction depth `depth` (0-based) over slots already aligned: prev[:, p] is the
+        previous depth's output for the position before input_ids[:, p]. Dense batches attend under
+        `attn`; the engine passes the MTP modules' own paged pool (one layer per depth) and metadata
+        whose `first_key` hides the slots without a chain."""
+        layer = self.mtp[depth]
+        cos, sin = self.rotary(positions, prev.dtype)
+        mask = attn if isinstance(attn, PagedAttentionMetadata) else attn.resolve(positions, layer.self_attn.window)
+        return layer(self.embed_tokens(input_ids), prev, cos, sin, mask, kv_cache)
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:

@@ -419,7 +419,7 @@ def _load_models(config: ServeConfig) -> tuple[Pretrained, Pretrained | None, Se
 def _load_chat_models(config: ServeConfig) -> tuple[Pretrained, Pretrained | None]:
     """The model, and the draft model `--speculative MODEL` names (same dtype and quantization)."""
     pretrained = load_model(config.model, dtype=config.dtype, quantize=config.quantization)
-    if config.speculative in (None, "ngram"):
+    if config.speculative in (None, "ngram", "mtp"):
         return pretrained, None
     draft = load_model(config.speculative, dtype=config.dtype, quantize=config.quantization)
     if draft.tokenizer.vocab_size != pretrained.tokenizer.vocab_size:

@@ -116,11 +116,11 @@ def wrap_model(model: nn.Module, ctx: DistContext) -> nn.Module:
     """Shard `model` in place (fsdp), wrap it (ddp) or both (ep: the experts sharded, the rest
     wrapped); returns the module to call for training.
 
-    FSDP2 shards each block separately (so only one block is unsharded at a time), then the
-    root, which keeps the embeddings, final norm and LM head.
+    FSDP2 shards each block (and multi-token prediction depth) separately, so only one is
+    unsharded at a time, then the root, which keeps the embeddings, final norm and LM head.
     """
     if ctx.strategy == "fsdp":
-        for layer in model.layers:
+        for layer in [*model.layers, *model.mtp]:
             fully_shard(layer)
         fully_shard(model)
         return model

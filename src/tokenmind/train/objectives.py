@@ -32,7 +32,7 @@ from torch import nn
 
 from tokenmind.data.loader import IGNORE_INDEX, TokenBatch
 from tokenmind.model.attention import DenseAttentionMetadata
-from tokenmind.model.transformer import router_aux_loss
+from tokenmind.model.transformer import MTPLayer, mtp_chain_valid, router_aux_loss
 
 
 @dataclass
@@ -76,31 +76,71 @@ def autocast(device: torch.device, precision: str):
 
 
 def token_loss(model: nn.Module, input_ids: torch.Tensor, targets: torch.Tensor, document_ids: torch.Tensor,
-               positions: torch.Tensor, precision: str) -> torch.Tensor:
+               positions: torch.Tensor, precision: str, mtp: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Cross-entropy of `targets` given `input_ids`, summed over the targets that are not
     IGNORE_INDEX, attention kept within each packed document; all (B, T). The logits are upcast
-    so the softmax and loss are computed in fp32."""
+    so the softmax and loss are computed in fp32. With `mtp`, also the model's multi-token
+    prediction loss (`mtp_loss`, summed too); else None."""
+    attn, depths = DenseAttentionMetadata(document_ids=document_ids), None
     with autocast(input_ids.device, precision):
-        logits = model(input_ids, positions, DenseAttentionMetadata(document_ids=document_ids))
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
+        if mtp:
+            logits, depths = model(input_ids, positions, attn, mtp=True)
+        else:
+            logits = model(input_ids, positions, attn)
+    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
                            reduction="sum")
+    return loss, None if depths is None else mtp_loss(depths, targets, document_ids)
+
+
+def mtp_loss(depth_logits: list[torch.Tensor], targets: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3's multi-token prediction loss before its weight λ, summed like the main loss:
+    (1/D) Σ_k of depth k's cross-entropy summed over the positions it is trained at. Divided by
+    the number of trained tokens (the trainer divides every sum by it) this is the paper's
+    (1/D) Σ_k CE_k with CE_k = (1/T) Σ_i −log P_k, and it weighs every token the same however the
+    tokens spread over micro-batches and ranks.
+
+    Depth k's logits at position p (`Transformer.forward(mtp=True)`) predict the same target as the
+    main model there, token p + 1, from the main model's state at p - k. A position is trained when
+    that chain stays in the row and document (`mtp_chain_valid`), its target is not IGNORE_INDEX,
+    and the row does not show the target starting another document (the last position's next
+    token lies outside the row, where the main loss trains it as well)."""
+    same_doc_next = F.pad(document_ids[:, 1:] == document_ids[:, :-1], (0, 1), value=True)
+    total = targets.new_zeros((), dtype=torch.float32)
+    for k, logits in enumerate(depth_logits, 1):
+        keep = mtp_chain_valid(document_ids, targets.shape, k) & same_doc_next & (targets != IGNORE_INDEX)
+        total = total + F.cross_entropy(logits.float().flatten(0, 1), targets.masked_fill(~keep, IGNORE_INDEX)
+                                        .flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    return total / len(depth_logits)
 
 
 class NextTokenObjective:
     """Next-token prediction on `TokenBatch`es, for pre-training and SFT alike: the units are
     the targets that are not IGNORE_INDEX (every token of a packed pre-training row; only the
-    assistant's tokens of a chat)."""
+    assistant's tokens of a chat).
 
-    def __init__(self, loss_fn: Callable[..., torch.Tensor] = token_loss) -> None:
+    In training two more terms join the loss, each logged as a metric: a mixture of experts'
+    router loss ("router_aux", a per-token mean weighed by the unit count) and, for a model with
+    multi-token prediction depths, their summed loss (`mtp_loss`) times cfg.mtp_loss_weight
+    ("mtp", logged unweighted and in evaluation too, where the loss is the main model's alone)."""
+
+    def __init__(self, loss_fn: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] = token_loss) -> None:
         self.loss_fn = loss_fn  # token_loss, or it compiled
 
     def __call__(self, model: nn.Module, batch: TokenBatch, precision: str) -> LossTerms:
-        loss = self.loss_fn(model, batch.input_ids, batch.targets, batch.document_ids, batch.positions, precision)
+        mtp_layers = [m for m in model.modules() if isinstance(m, MTPLayer)]
+        loss, mtp = self.loss_fn(model, batch.input_ids, batch.targets, batch.document_ids, batch.positions, precision,
+                                 bool(mtp_layers))
         count = (batch.targets != IGNORE_INDEX).sum()
+        metrics = {}
+        if mtp is not None:
+            if mtp_layers[0].training:
+                loss = loss + mtp_layers[0].loss_weight * mtp
+            metrics["mtp"] = mtp.detach()
         aux = router_aux_loss(model)  # a mixture of experts' load balancing, a per-token mean: weighed by count
-        if aux is None:
-            return LossTerms(loss, count)
-        return LossTerms(loss + aux * count, count, {"router_aux": aux.detach() * count})
+        if aux is not None:
+            loss = loss + aux * count
+            metrics["router_aux"] = aux.detach() * count
+        return LossTerms(loss, count, metrics)
 
     def compiled(self) -> NextTokenObjective:
         return NextTokenObjective(torch.compile(token_loss))
