@@ -8,7 +8,6 @@ the test process (as in test_train_distributed.py).
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from test_train_distributed import free_port, losses
-from test_train_helpers import Preempted, one_thread, pretrainer, tiny_config, write_shards  # noqa: F401 (autouse)
+from test_train_helpers import crash_then_resume, one_thread, tiny_config, write_shards  # noqa: F401 (one_thread: autouse)
 
 from tokenmind.jsonl import read_jsonl
 from tokenmind.model.checkpoint import load_hf_dir
@@ -93,17 +92,7 @@ def train_runs(shards: Path, root: Path) -> None:
     """A run under ep, and the same run crashed in step 4 and resumed from step 2."""
     half = ["--data.batch_size=2", "--train.distributed=ep", *MOE]
     pretrain(tiny_config(shards, root / "ep", *half))
-    crashed = tiny_config(shards, root / "ep_resumed", *half)
-    trainer = pretrainer(crashed)  # joins the group
-
-    def crash_in_step_4(module, inputs, output):
-        if trainer.step == 3:
-            raise Preempted
-
-    trainer.model.norm.register_forward_hook(crash_in_step_4)
-    with contextlib.suppress(Preempted):
-        trainer.train()
-    pretrain(crashed)
+    crash_then_resume(tiny_config(shards, root / "ep_resumed", *half), crash_in_step=4)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ process.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 from pathlib import Path
@@ -17,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_train_helpers import one_thread, pretrainer, tiny_config, write_shards  # noqa: F401 (one_thread: autouse)
+from test_train_helpers import crash_then_resume, one_thread, tiny_config, write_shards  # noqa: F401 (one_thread: autouse)
 
 from tokenmind.train import pretrain
 from tokenmind.jsonl import read_jsonl
@@ -28,10 +27,6 @@ MTP = ["--model.model_type=deepseek_v3", "--model.num_experts=4", "--model.moe_i
        "--model.num_key_value_heads=4", "--model.kv_lora_rank=16", "--model.q_lora_rank=24",
        "--model.qk_nope_head_dim=16", "--model.qk_rope_head_dim=8", "--model.v_head_dim=16",
        "--model.num_nextn_predict_layers=2"]  # DeepSeek-V3 with two multi-token prediction depths
-
-
-class Preempted(Exception):
-    pass
 
 
 def free_port() -> int:
@@ -53,17 +48,8 @@ def run_scenarios(rank: int, world_size: int, port: int, shards: Path, root: Pat
         pretrain(tiny_config(shards, root / "fsdp_muon", "--train.distributed=fsdp", *half, *MUON))
         pretrain(tiny_config(shards, root / "fsdp_mtp", "--train.distributed=fsdp", *half, *MTP))
 
-        crashed = tiny_config(shards, root / "fsdp_resumed", "--train.distributed=fsdp", *half)
-        trainer = pretrainer(crashed)  # joins the group
-
-        def crash_in_step_4(module, inputs, output):
-            if trainer.step == 3:
-                raise Preempted
-
-        trainer.model.norm.register_forward_hook(crash_in_step_4)
-        with contextlib.suppress(Preempted):
-            trainer.train()
-        pretrain(crashed)
+        crash_then_resume(tiny_config(shards, root / "fsdp_resumed", "--train.distributed=fsdp", *half),
+                          crash_in_step=4)
     finally:
         dist.destroy_process_group()
 

@@ -6,6 +6,7 @@ token follows from the previous two, so a 2-layer model's loss falls within a fe
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -64,6 +65,23 @@ def one_thread() -> Iterator[None]:
 
 class Preempted(Exception):
     """Stands in for a killed job."""
+
+
+def crash_then_resume(cfg: RunConfig, crash_in_step: int) -> None:
+    """Train `cfg` until step `crash_in_step`'s forward pass dies as a killed job would, then run it
+    again, resuming from its last checkpoint (in this process, or the process group it joined)."""
+    from tokenmind.train import pretrain
+
+    trainer = pretrainer(cfg)
+
+    def hook(module, inputs, output):
+        if trainer.step == crash_in_step - 1:
+            raise Preempted
+
+    trainer.model.norm.register_forward_hook(hook)
+    with contextlib.suppress(Preempted):
+        trainer.train()
+    pretrain(cfg)
 
 
 def crash_in_step_5(trainer) -> None:
