@@ -9,12 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from test_engine_llm import naive_greedy, run
+from test_engine_llm import assert_batched_greedy_equals_naive
 from test_train_helpers import one_thread, tiny_config, write_shards  # noqa: F401 (one_thread: autouse)
 
-from tokenmind.engine.config import EngineConfig
-from tokenmind.engine.llm import Engine
-from tokenmind.engine.sampling import SamplingParams
 from tokenmind.model.checkpoint import load_hf_dir, save_hf_dir
 from tokenmind.model.config import ModelConfig
 from tokenmind.model.transformer import SandwichBlock, Transformer
@@ -134,14 +131,7 @@ def test_the_paged_engine_decodes_gemma_batched_as_it_does_alone(model_type):
     torch.manual_seed(0)
     model = Transformer(cfg)
     model.init_weights(std=0.3)
-    model.eval()
-    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (3, 9, 17, 5)]
-    engine = Engine(model, config=EngineConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=8))
-    ids = [engine.add_request(p, params) for p in prompts]
-    finals, _ = run(engine)
-    assert [finals[i].token_ids for i in ids] == [naive_greedy(model, p, 10) for p in prompts]
+    assert_batched_greedy_equals_naive(model.eval(), max_tokens=10)
 
 
 def test_gemma_pretrains_and_exports_a_checkpoint_transformers_reads(tmp_path: Path):

@@ -4,12 +4,9 @@ against transformers', training through the objective seam, HF round trips and t
 import pytest
 import torch
 import transformers
-from test_engine_llm import naive_greedy, run
+from test_engine_llm import assert_batched_greedy_equals_naive
 
 from tokenmind.data.loader import TokenBatch
-from tokenmind.engine.config import EngineConfig
-from tokenmind.engine.llm import Engine
-from tokenmind.engine.sampling import SamplingParams
 from tokenmind.model.checkpoint import load_hf_dir, save_hf_dir
 from tokenmind.model.config import ModelConfig
 from tokenmind.model.transformer import (
@@ -121,14 +118,7 @@ def test_hf_round_trip_loads_in_transformers_and_back_with_equal_logits(tmp_path
     ("deepseek_v3", DEEPSEEK_V3),  # latent attention: the pool holds latents, decode absorbs kv_b_proj
 ])
 def test_the_paged_engine_decodes_a_moe_model_batched_as_it_does_alone(model_type, extra):
-    model = tiny_moe(model_type, **extra)
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (3, 9, 17, 5)]
-    engine = Engine(model, config=EngineConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=8))
-    ids = [engine.add_request(p, params) for p in prompts]
-    finals, _ = run(engine)
-    assert [finals[i].token_ids for i in ids] == [naive_greedy(model, p, 12) for p in prompts]
+    assert_batched_greedy_equals_naive(tiny_moe(model_type, **extra))
 
 
 def test_one_token_runs_its_experts_directly_with_the_grouped_result():
