@@ -231,3 +231,15 @@ def test_a_shared_prefix_serves_several_continuations_in_one_row():
         alone_a, alone_b = ours(torch.cat([ctx, a], 1)), ours(torch.cat([ctx, b], 1))
     assert (got[:, :10] - alone_a).abs().max().item() <= TOL
     assert (got[:, 10:] - alone_b[:, 6:]).abs().max().item() <= TOL
+
+
+def test_the_causal_mask_hides_later_tokens():
+    """Changing token 5 leaves the logits of positions 0–4 exactly as they were and changes 5 onward."""
+    _, _, ours = make_pair("llama-gqa")
+    ids = torch.randint(0, 101, (1, 9), generator=torch.Generator().manual_seed(3))
+    changed = ids.clone()
+    changed[0, 5] = (changed[0, 5] + 1) % 101
+    with torch.no_grad():
+        before, after = ours(ids), ours(changed)
+    assert torch.equal(before[:, :5], after[:, :5])
+    assert (before[:, 5:] - after[:, 5:]).abs().amax(-1).min().item() > 1e-4

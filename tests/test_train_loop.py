@@ -151,3 +151,17 @@ def test_flops_per_token_counts_matmul_parameters_and_attention() -> None:
     assert flops_per_token(cfg, seq_len=8) == 6 * n + 12 * 2 * 16 * 8
     tied = ModelConfig(**{**cfg.__dict__, "tie_word_embeddings": True})
     assert flops_per_token(tied, seq_len=8) == flops_per_token(cfg, seq_len=8)
+
+
+def test_gradient_clipping_rescales_to_the_limit_and_reports_the_norm_before_it() -> None:
+    """Gradients of global norm 5 (a 3-4-0 triangle over two tensors) come out with norm 1 at
+    grad_clip=1, direction kept; grad_clip=0 only measures."""
+    from tokenmind.train.distributed import clip_grad_norm
+
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(1))
+    a.grad, b.grad = torch.tensor([3.0, 0.0]), torch.tensor([4.0])
+    assert float(clip_grad_norm([a, b], 1.0)) == pytest.approx(5.0)
+    assert a.grad.tolist() == pytest.approx([0.6, 0.0]) and b.grad.tolist() == pytest.approx([0.8])
+    a.grad, b.grad = torch.tensor([3.0, 0.0]), torch.tensor([4.0])
+    assert float(clip_grad_norm([a, b], 0.0)) == pytest.approx(5.0)
+    assert a.grad.tolist() == [3.0, 0.0] and b.grad.tolist() == [4.0]
