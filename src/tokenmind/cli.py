@@ -185,6 +185,16 @@ def cmd_train(args, overrides: list[str]) -> None:
     print(f"model: {result.final_model_path}\nmetrics: {result.metrics_path}\nloss curve: {result.plot_path}")
 
 
+def cmd_scaling(args, overrides: list[str]) -> None:
+    from .train.scaling import load_scaling_config, scaling
+
+    summary = scaling(load_scaling_config(args.config, overrides))
+    law, opt, held = summary["law"], summary["compute_optimal"], summary["holdout"]
+    print(f"L(N, D) = {law['E']:.3f} + {law['A']:.4g}/N^{law['alpha']:.3f} + {law['B']:.4g}/D^{law['beta']:.3f}")
+    print(f"compute-optimal at {opt['flops']:.1e} FLOPs: N = {opt['params']:,.0f}, D = {opt['tokens']:,.0f}")
+    print(f"held out: measured {held['loss']:.4f}, predicted {held['predicted']:.4f}")
+
+
 def cmd_sft(args, overrides: list[str]) -> None:
     from .posttrain import load_sft_config, sft
 
@@ -629,6 +639,16 @@ def build_parser() -> argparse.ArgumentParser:
                                    "in the run directory; an interrupted run resumes from its last checkpoint.")
     p.add_argument("--config", default=None, help="YAML run config (sections: model, data, optim, schedule, train)")
     p.set_defaults(func=cmd_train, takes_overrides=True)
+
+    p = sub.add_parser("scaling", help="scaling laws: a grid of tiny models × token budgets, L(N, D) fit, "
+                                       "compute-optimal size",
+                       description="Train every size at every token budget on token shards (the speedrun's by "
+                                   "default), fit L(N, D) = E + A/N^a + B/D^b, predict the compute-optimal size for "
+                                   "--budget_flops, and check the fit on a held-out run. Writes scaling.json, "
+                                   "scaling.png and report.md into --out_dir; finished runs are reused. Override "
+                                   "with --key=value, e.g. --sizes='[[32,2],[64,2]]' --tokens='[20000,40000]'.")
+    p.add_argument("--config", default=None, help="YAML ScalingConfig (default: the built-in CPU grid)")
+    p.set_defaults(func=cmd_scaling, takes_overrides=True)
 
     # serve's and eval's flags fill ServeConfig / EvalConfig fields named by `dest`; a flag left out is
     # absent from `args` (argument_default=SUPPRESS), so the --config file's value or the field's default stands
