@@ -45,9 +45,15 @@ _PEAKS = (("H100", 989e12, 67e12), ("H200", 989e12, 67e12), ("A100", 312e12, 19.
 CPU_PEAK_BF16, CPU_PEAK_FP32 = 1.0e12, 9.0e10
 
 
+def matmul_parameters(cfg: ModelConfig) -> int:
+    """The N of 6·N: active parameters that take part in a matmul per token (all but the input
+    embedding, a lookup; a tied embedding counts once, as the LM head)."""
+    return cfg.num_active_parameters - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training (forward + backward) model FLOPs per token; see the module docstring."""
-    n = cfg.num_active_parameters - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
+    n = matmul_parameters(cfg)
     per_head = (cfg.qk_head_dim + cfg.v_head_dim) / 2 if cfg.kv_lora_rank else cfg.head_dim  # q·k and p·v widths
     attention = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * per_head * seq_len
     return 6.0 * n + attention

@@ -5,8 +5,11 @@ Every grid point is an ordinary pre-training run (`pretrain`, cosine schedule en
 token budget, so each point is a finished run, as Hoffmann et al. 2022 insist, not a checkpoint
 of a longer one). Its final validation loss is one observation L(N, D), with
 
-* N: non-embedding parameters (Kaplan et al. 2020: embedding tables follow a different, flatter
-  trend; at these sizes the 4k-token vocabulary's table would otherwise dominate N);
+* N: the parameters that do a matmul per token (`matmul_parameters`: all but the input lookup; the
+  tied embedding counts once, as the LM head). Kaplan et al. 2020 leave embeddings out, which suits
+  large models; at these sizes the LM head is most of the compute (a 32-wide model's blocks have
+  27k parameters, its 4k-token head 131k), so leaving it out would make 6·N·D undercount the
+  work ~6× and N mismeasure capacity;
 * D: training tokens seen;
 * compute C = 6·N·D (the rule: 2 FLOPs per parameter per token forward, 4 backward), reported
   next to the count with attention and the LM head (`flops_per_token`) and the count
@@ -42,7 +45,7 @@ from tokenmind.config import config_dict, load_config as load_schema
 from tokenmind.jsonl import atomic_open, write_json
 from tokenmind.model.config import ModelConfig
 from tokenmind.train.config import DataSection, OptimSection, RunConfig, ScheduleSection, TrainSection
-from tokenmind.train.metrics import flops_per_token
+from tokenmind.train.metrics import flops_per_token, matmul_parameters
 from tokenmind.train.trainer import pretrain
 
 
@@ -62,13 +65,13 @@ class ScalingConfig:
 
     shards: str = "runs/cpu/shards"
     out_dir: str = "runs/scaling"
-    sizes: list[list[int]] = field(default_factory=lambda: [[32, 2], [64, 2], [96, 3], [160, 4]])
-    tokens: list[int] = field(default_factory=lambda: [40_000, 80_000, 160_000, 320_000])
-    holdout: list[int] = field(default_factory=lambda: [128, 3, 240_000])
+    sizes: list[list[int]] = field(default_factory=lambda: [[32, 1], [64, 2], [128, 3], [192, 4]])
+    tokens: list[int] = field(default_factory=lambda: [25_000, 50_000, 100_000, 200_000, 400_000])
+    holdout: list[int] = field(default_factory=lambda: [160, 3, 300_000])
     budget_flops: float = 1e15
     seq_len: int = 128
-    batch_size: int = 8
-    lr: float = 3e-3
+    batch_size: int = 4
+    lr: float = 5e-3
     warmup_fraction: float = 0.1
     precision: str = "fp32"
     seed: int = 0
@@ -101,17 +104,17 @@ def model_config(hidden: int, layers: int, vocab_size: int, seq_len: int) -> Mod
                        tie_word_embeddings=True)
 
 
-def non_embedding_parameters(cfg: ModelConfig) -> int:
-    return cfg.num_parameters - cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
-
-
 def measured_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """FLOPs of one real forward + backward, as torch's FLOP counter sees them, per token."""
+    """FLOPs of one real forward + backward, as torch's FLOP counter sees them, per token. Attention
+    runs on SDPA's math path here: the counter has no formula for the CPU's fused kernel and would
+    count its matmuls as zero."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     from tokenmind.model.transformer import Transformer
 
     model = Transformer(cfg)
     ids = torch.randint(0, cfg.vocab_size, (1, seq_len))
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
         logits = model(ids)
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
     return counter.get_total_flops() / seq_len
@@ -141,7 +144,7 @@ def train_point(cfg: ScalingConfig, hidden: int, layers: int, tokens: int, vocab
         if point.get("config") == wanted:
             return point
     result = pretrain(run)
-    n = non_embedding_parameters(run.model)
+    n = matmul_parameters(run.model)
     d = result.tokens_seen
     point = {"hidden": hidden, "layers": layers, "tokens": d, "params": n,
              "params_total": run.model.num_parameters, "loss": result.final_val_loss,
@@ -237,7 +240,7 @@ def plot_scaling(points: list[dict], law: ScalingLaw, holdout: dict, png_path: P
         right.plot(n_grid, curve, "-", color=f"C{i}", label=f"C = {c:.1e} FLOPs")
         n_opt, d_opt = law.compute_optimal(c)
         right.plot([n_opt], [law.loss(n_opt, d_opt)], "v", color=f"C{i}")
-    right.set(xscale="log", xlabel="non-embedding parameters N", ylabel="fitted loss at 6ND = C",
+    right.set(xscale="log", xlabel="parameters N (matmul: blocks + LM head)", ylabel="fitted loss at 6ND = C",
               title="iso-FLOP curves (▼ compute-optimal N)")
     right.legend(fontsize=7)
     tmp = png_path.with_name(png_path.name + ".tmp.png")
@@ -293,7 +296,7 @@ def report(summary: dict[str, Any]) -> str:
         f"{p['flops_measured']:.2e} | {p['loss']:.4f} | {p['tokens_per_s']:,.0f} |" for p in summary["points"])
     return f"""# Scaling laws
 
-Fit (Chinchilla approach 3, N = non-embedding parameters, D = training tokens):
+Fit (Chinchilla approach 3, N = parameters in matmuls (blocks + LM head), D = training tokens):
 L(N, D) = {law['E']:.3f} + {law['A']:.4g}/N^{law['alpha']:.3f} + {law['B']:.4g}/D^{law['beta']:.3f}
 
 Compute-optimal for C = {opt['flops']:.2e} FLOPs (6ND): N = {opt['params']:,.0f}, D = {opt['tokens']:,.0f}
