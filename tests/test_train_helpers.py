@@ -68,17 +68,20 @@ class Preempted(Exception):
 
 
 def crash_then_resume(cfg: RunConfig, crash_in_step: int) -> None:
-    """Train `cfg` until step `crash_in_step`'s forward pass dies as a killed job would, then run it
-    again, resuming from its last checkpoint (in this process, or the process group it joined)."""
+    """Train `cfg` until step `crash_in_step` dies as a killed job would, then run it again, resuming
+    from its last checkpoint (in this process, or the process group it joined). Every rank dies as
+    the step starts, before any rank waits on another (pipeline stages run different layers)."""
     from tokenmind.train import pretrain
 
     trainer = pretrainer(cfg)
+    step = trainer.train_step
 
-    def hook(module, inputs, output):
+    def dying_step():
         if trainer.step == crash_in_step - 1:
             raise Preempted
+        return step()
 
-    trainer.model.norm.register_forward_hook(hook)
+    trainer.train_step = dying_step
     with contextlib.suppress(Preempted):
         trainer.train()
     pretrain(cfg)

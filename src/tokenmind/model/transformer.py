@@ -463,10 +463,22 @@ class Transformer(nn.Module):
             (1, N) — the new tokens of every scheduled sequence back to back — and positions are
             required.
         """
+        return self.norm(self.run_layers(self.embed(input_ids), positions, attn, kv_cache))
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids (B, T) → the residual stream's start (B, T, hidden)."""
         x = self.embed_tokens(input_ids)
         if self.cfg.scale_embeddings:  # × sqrt(hidden), first rounded to the activations' dtype as in HF
             x = x * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=x.dtype)  # 0-dim: a scalar on any device
-        windows = {layer.self_attn.window for layer in self.layers}
+        return x
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                   attn: AttentionMetadata | None = None, kv_cache: PagedKVCache | None = None,
+                   layers: slice = slice(None)) -> torch.Tensor:
+        """The residual stream x (B, T, hidden) through `self.layers[layers]` (all by default; a
+        pipeline stage runs its own slice), before the final norm; arguments as in `hidden_states`."""
+        blocks = self.layers[layers]
+        windows = {layer.self_attn.window for layer in blocks}
         if isinstance(attn, PagedAttentionMetadata):
             if positions is None or kv_cache is None:
                 raise ValueError("paged attention needs explicit positions and the PagedKVCache it describes")
@@ -476,19 +488,19 @@ class Transformer(nn.Module):
                 raise ValueError("a kv_cache is read through paged attention metadata (the engine builds it); "
                                  "a dense batch attends to itself")
             if positions is None:
-                positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)
+                positions = torch.arange(x.shape[1], device=x.device).expand(x.shape[:2])
             meta = attn or DenseAttentionMetadata()
             masks = {window: meta.resolve(positions, window) for window in windows}  # one per window, not per layer
         ropes = {False: self.rotary(positions, x.dtype)}
         if self.local_rotary is not None:
             ropes[True] = self.local_rotary(positions, x.dtype)
-        for layer in self.layers:
+        for layer in blocks:
             (cos, sin), mask = ropes[layer.local_rope], masks[layer.self_attn.window]
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, mask, kv_cache)
-        return self.norm(x)
+        return x
 
     def hf_config(self) -> dict:
         """The config.json that `transformers` loads this model's checkpoint with."""

@@ -125,8 +125,11 @@ class TrainSection:
         the precision: on this project's 2-core CPU a 1024³ matmul runs ~1.0e12 FLOP/s in bf16
         (AMX) and ~9e10 in fp32; on H100/H200, the dense datasheet peaks (989e12 bf16).
     resume: continue from the newest checkpoint in out_dir if there is one.
-    distributed: none, ddp, fsdp (FSDP2) or ep (ddp with a mixture of experts' experts split
-        across the ranks, `expert_parallel.py`); ddp/fsdp/ep need the torchrun environment.
+    distributed: none, ddp, fsdp (FSDP2), ep (ddp with a mixture of experts' experts split
+        across the ranks, `expert_parallel.py`), tp (tensor parallelism, `tensor_parallel.py`) or
+        pp (pipeline parallelism, `pipeline_parallel.py`); all but none need the torchrun environment.
+    pipeline_microbatches/pipeline_schedule: under pp, the micro-batches each rank's batch is cut
+        into (more: a smaller bubble, smaller matmuls) and their order, gpipe or 1f1b.
     device: auto (cuda when available, else cpu), cpu or cuda.
     """
 
@@ -147,12 +150,15 @@ class TrainSection:
     resume: bool = True
     distributed: str = "none"
     device: str = "auto"
+    pipeline_microbatches: int = 2
+    pipeline_schedule: str = "1f1b"
 
     def __post_init__(self) -> None:
         _choice("train", "precision", self.precision, ("fp32", "bf16"))
-        _choice("train", "distributed", self.distributed, ("none", "ddp", "fsdp", "ep"))
+        _choice("train", "distributed", self.distributed, ("none", "ddp", "fsdp", "ep", "tp", "pp"))
+        _choice("train", "pipeline_schedule", self.pipeline_schedule, ("gpipe", "1f1b"))
         _choice("train", "device", self.device, ("auto", "cpu", "cuda"))
-        for name in ("steps", "grad_accum", "log_every", "eval_batches"):
+        for name in ("steps", "grad_accum", "log_every", "eval_batches", "pipeline_microbatches"):
             _check(getattr(self, name) >= 1, f"train.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("eval_every", "checkpoint_every", "keep_last"):
             _check(getattr(self, name) >= 0, f"train.{name} must be >= 0 (0 = off/all), got {getattr(self, name)}")

@@ -10,9 +10,14 @@ The trainer is written once for N ranks and this module makes N = 1 the same cod
   backward; memory per rank falls ~N-fold. Parameters become `DTensor`s.
 * ep: for a mixture of experts, ddp with each MoE layer's experts split across the ranks and
   tokens sent to them by all-to-all (`expert_parallel.py`).
+* tp: tensor parallelism, every block's matmuls split by heads and features over the ranks,
+  which all read the same batch (`tensor_parallel.py`).
+* pp: pipeline parallelism, the layers split into consecutive stages, one per rank, the batch
+  run through them in micro-batches (`pipeline_parallel.py`).
 
 Either way the optimizer sees the average gradient of the global batch, so N ranks with B/N
-rows each follow the single-process loss curve of batch B. Checkpoints hold *full* (unsharded)
+rows each follow the single-process loss curve of batch B (tp and pp: N ranks with B rows follow
+the curve of B, as they form one replica). Checkpoints hold *full* (unsharded)
 state with plain parameter names, gathered through `torch.distributed.checkpoint.state_dict`,
 so a run saved under ddp can resume under fsdp or ep and back (at the same world size: the
 data-loader position is per rank). torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
@@ -43,6 +48,8 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from .expert_parallel import expert_data_parallel, gather_experts, local_experts
+from .pipeline_parallel import PipelineParallel, gather_optimizer_stages, gather_stages
+from .tensor_parallel import checkpoint_layout, rank_major_layout, tensor_parallel
 
 
 @dataclass
@@ -60,6 +67,22 @@ class DistContext:
     def is_main(self) -> bool:
         """Rank 0 alone writes logs, shared checkpoint files and the exported model."""
         return self.rank == 0
+
+    @property
+    def data_rank(self) -> int:
+        """Which rows this rank reads: tensor- and pipeline-parallel ranks are one model replica
+        and all read the same rows."""
+        return 0 if self.strategy in ("tp", "pp") else self.rank
+
+    @property
+    def data_world_size(self) -> int:
+        """How many ranks read different rows (the data-parallel degree)."""
+        return 1 if self.strategy in ("tp", "pp") else self.world_size
+
+    @property
+    def full_state_on_rank0(self) -> bool:
+        """Whether a full model state exists only on rank 0 (saved from there, broadcast on load)."""
+        return self.strategy in ("fsdp", "tp")
 
     def barrier(self) -> None:
         if self.world_size > 1:
@@ -94,7 +117,7 @@ def init_distributed(strategy: str, device_preference: str = "auto") -> DistCont
     if strategy == "none":
         if env_world > 1:
             raise RuntimeError(f"started as {env_world} processes but train.distributed=none; "
-                               "set --train.distributed=ddp, fsdp or ep")
+                               "set --train.distributed=ddp, fsdp, ep, tp or pp")
         return DistContext(strategy, resolve_device(device_preference))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(device_preference, local_rank)
@@ -112,9 +135,12 @@ def init_distributed(strategy: str, device_preference: str = "auto") -> DistCont
     return DistContext(strategy, device, dist.get_rank(), dist.get_world_size(), local_rank, owns)
 
 
-def wrap_model(model: nn.Module, ctx: DistContext) -> nn.Module:
-    """Shard `model` in place (fsdp), wrap it (ddp) or both (ep: the experts sharded, the rest
-    wrapped); returns the module to call for training.
+def wrap_model(model: nn.Module, ctx: DistContext, microbatches: int = 1, schedule: str = "1f1b",
+               batch_size: int = 1) -> nn.Module | PipelineParallel:
+    """Shard `model` in place (fsdp, tp), wrap it (ddp), both (ep: the experts sharded, the rest
+    wrapped) or keep this rank's pipeline stage of it (pp: the `PipelineParallel` running
+    `microbatches` micro-batches of a `batch_size`-row batch under `schedule`); returns what to
+    call for training.
 
     FSDP2 shards each block (and multi-token prediction depth) separately, so only one is
     unsharded at a time, then the root, which keeps the embeddings, final norm and LM head.
@@ -129,6 +155,10 @@ def wrap_model(model: nn.Module, ctx: DistContext) -> nn.Module:
         return DistributedDataParallel(model, device_ids=device_ids)
     if ctx.strategy == "ep":
         return expert_data_parallel(model, device_ids)
+    if ctx.strategy == "tp":
+        return tensor_parallel(model, ctx.device.type)
+    if ctx.strategy == "pp":
+        return PipelineParallel(model, ctx.device, microbatches, schedule, batch_size)
     return model
 
 
@@ -145,54 +175,87 @@ def grad_sync(wrapped: nn.Module, enabled: bool) -> Iterator[None]:
     yield
 
 
-def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float,
-                   sharded: list[nn.Parameter] | None = None) -> torch.Tensor:
+def _by_kind(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`tensors` split into DTensors and plain tensors: foreach ops refuse a list that mixes both
+    (tensor parallelism shards some parameters and replicates the rest)."""
+    groups: dict[bool, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(isinstance(t, DTensor), []).append(t)
+    return list(groups.values())
+
+
+def scale_grads(parameters: list[nn.Parameter], factor: float | torch.Tensor) -> None:
+    """Divide every gradient by `factor`, in place."""
+    for group in _by_kind([p.grad for p in parameters if p.grad is not None]):
+        torch._foreach_div_(group, factor)
+
+
+def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float, sharded: list[nn.Parameter] | None = None,
+                   counted_elsewhere: list[nn.Parameter] | None = None) -> torch.Tensor:
     """Clip to `max_norm` (0 = measure only); returns the global pre-clip norm on every rank.
     sharded: those of `parameters` that each rank holds a different part of (expert-parallel
-    experts): their squares are summed over the ranks."""
-    if not sharded:
-        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm if max_norm > 0 else float("inf"))
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
-    own = {id(p) for p in sharded}
-    square = torch.nn.utils.get_total_norm([p.grad for p in sharded if p.grad is not None]).square()
-    dist.all_reduce(square)
-    replicated = [p.grad for p in parameters if p.grad is not None and id(p) not in own]
-    norm = (square + torch.nn.utils.get_total_norm(replicated).square()).sqrt()
+    experts, pipeline stages): their squares are summed over the ranks. counted_elsewhere: ones
+    this rank clips but another rank counts (a pipeline's tied embedding on its last stage).
+    DTensor gradients (fsdp, tp) count in full."""
+    own, skip = {id(p) for p in sharded or ()}, {id(p) for p in counted_elsewhere or ()}
+    square = torch.zeros((), device=parameters[0].device if parameters else None)
+    for group in _by_kind([p.grad for p in parameters if p.grad is not None and id(p) not in own | skip]):
+        norm = torch.nn.utils.get_total_norm(group)
+        square = square + (norm.full_tensor() if isinstance(norm, DTensor) else norm).square()
+    if sharded:
+        local = torch.nn.utils.get_total_norm([p.grad for p in sharded if p.grad is not None]).square()
+        dist.all_reduce(local)
+        square = square + local
+    norm = square.sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
+        coef = min(1.0, max_norm / (float(norm) + 1e-6))
+        for group in _by_kind([p.grad for p in parameters if p.grad is not None]):
+            torch._foreach_mul_(group, coef)
     return norm
 
 
 def _options(ctx: DistContext, loading: bool) -> StateDictOptions:
-    if ctx.strategy != "fsdp":
+    if not ctx.full_state_on_rank0:
         return StateDictOptions()
     # Full, unsharded tensors on rank 0's CPU; on load rank 0 reads and broadcasts the shards.
     return StateDictOptions(full_state_dict=True, cpu_offload=not loading, broadcast_from_rank0=loading)
 
 
 def model_state(model: nn.Module, ctx: DistContext, trainable_only: bool = False) -> dict[str, torch.Tensor]:
-    """Full model state keyed by parameter name, on CPU (on rank 0 only under fsdp). Collective.
+    """Full model state keyed by parameter name, on CPU (on rank 0 only under fsdp, tp and pp). Collective.
     trainable_only: just the parameters that train (a LoRA run's adapters, not its frozen base)."""
     state = get_model_state_dict(model, options=_options(ctx, loading=False))
     if ctx.strategy == "ep":
         state = gather_experts(model, state)
+    elif ctx.strategy == "tp":
+        state = checkpoint_layout(model, state)
+    elif ctx.strategy == "pp":
+        state = gather_stages(state)
     keep = {name for name, p in model.named_parameters() if p.requires_grad} if trainable_only else state
     return {name: tensor.detach().cpu() for name, tensor in state.items() if name in keep}
 
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> dict[str, Any]:
-    """Full optimizer state keyed by parameter name (rank 0 only under fsdp). Collective."""
+    """Full optimizer state keyed by parameter name (rank 0 only under fsdp, tp and pp). Collective."""
     state = get_optimizer_state_dict(model, optimizer, options=_options(ctx, loading=False))
     if ctx.strategy == "ep":
         state = {**state, "state": gather_experts(model, state["state"])}
+    elif ctx.strategy == "tp" and state:
+        state = {**state, "state": checkpoint_layout(model, state["state"])}
+    elif ctx.strategy == "pp":
+        state = gather_optimizer_stages(state)
     return state
 
 
 def load_model_state(model: nn.Module, state: dict[str, torch.Tensor], ctx: DistContext, strict: bool = True) -> None:
     """Inverse of `model_state` (strict=False for a trainable-only state); under fsdp only rank 0's
-    `state` is read."""
+    `state` is read (under tp too)."""
     if ctx.strategy == "ep":
         state = local_experts(model, state)
+    elif ctx.strategy == "tp":
+        state = rank_major_layout(model, state)
+    elif ctx.strategy == "pp":  # this stage's part of the whole model's state
+        state = {name: tensor for name, tensor in state.items() if name in model.state_dict()}
     set_model_state_dict(model, state, options=dataclasses.replace(_options(ctx, loading=True), strict=strict))
 
 
@@ -201,4 +264,6 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, sta
     """Inverse of `optimizer_state`; under fsdp only rank 0's `state` is read."""
     if ctx.strategy == "ep":
         state = {**state, "state": local_experts(model, state["state"])}
+    elif ctx.strategy == "tp" and state:
+        state = {**state, "state": rank_major_layout(model, state["state"])}
     set_optimizer_state_dict(model, optimizer, state, options=_options(ctx, loading=True))

@@ -146,10 +146,12 @@ class Muon(torch.optim.Optimizer):
             p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1**t))
 
 
-def build_optimizer(model: nn.Module, cfg: OptimSection) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: OptimSection, keep_empty_groups: bool = False) -> torch.optim.Optimizer:
     """AdamW or Muon over `model` (the unwrapped or FSDP2-sharded module, not a DDP wrapper).
 
     AdamW groups come first in both cases, so `param_groups[0]["lr"]` is always the AdamW lr.
+    keep_empty_groups: every group even without parameters (a pipeline stage without the LM head),
+    so all stages have the same groups and share one LR-scheduler state.
     """
     roles = param_roles(model)
     params = dict(model.named_parameters())
@@ -163,11 +165,11 @@ def build_optimizer(model: nn.Module, cfg: OptimSection) -> torch.optim.Optimize
             dict(params=select("matrix", "head"), weight_decay=cfg.weight_decay),
             dict(params=select("embedding", "vector"), weight_decay=0.0),
         ]
-        return torch.optim.AdamW([g for g in groups if g["params"]], **adam)
+        return torch.optim.AdamW([g for g in groups if g["params"] or keep_empty_groups], **adam)
     groups = [
         dict(params=select("head"), weight_decay=cfg.weight_decay, use_muon=False, **adam),
         dict(params=select("embedding", "vector"), weight_decay=0.0, use_muon=False, **adam),
         dict(params=select("matrix"), use_muon=True, lr=cfg.muon_lr, momentum=cfg.muon_momentum,
              weight_decay=cfg.muon_weight_decay, ns_steps=cfg.muon_ns_steps),
     ]
-    return Muon([g for g in groups if g["params"]])
+    return Muon([g for g in groups if g["params"] or keep_empty_groups])

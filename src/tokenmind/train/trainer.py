@@ -63,6 +63,7 @@ from .distributed import (
     load_optimizer_state,
     model_state,
     optimizer_state,
+    scale_grads,
     wrap_model,
 )
 from .expert_parallel import sharded_parameters
@@ -76,6 +77,7 @@ from .metrics import (
     plot_loss,
 )
 from .objectives import LossTerms, NextTokenObjective, Objective
+from .pipeline_parallel import PipelineParallel
 from .optim import build_optimizer
 from .schedule import build_scheduler
 
@@ -159,18 +161,27 @@ class Trainer:
         model.gradient_checkpointing = t.gradient_checkpointing
         model.to(ctx.device)
         self.model = model  # the module whose state we save (sharded in place under fsdp)
-        self.wrapped = wrap_model(model, ctx)  # the module we call in training
+        self.wrapped = wrap_model(model, ctx, t.pipeline_microbatches, t.pipeline_schedule,
+                                  cfg.data.batch_size)  # what we call in training
+        self.pipeline = self.wrapped if isinstance(self.wrapped, PipelineParallel) else None
+        if self.pipeline is not None and not isinstance(self.objective, NextTokenObjective):
+            raise ValueError(f"pipeline parallelism trains next-token loss only, not {type(self.objective).__name__}; "
+                             "use --train.distributed=ddp or fsdp")
         self.params = [p for p in model.parameters() if p.requires_grad]
         sharded = sharded_parameters(model)  # expert parallelism: each rank holds other experts
         self.sharded_params = [p for name, p in model.named_parameters() if name in sharded and p.requires_grad]
+        self.shared_params = []  # a pipeline's tied embedding on its last stage: counted by the first
+        if self.pipeline is not None:  # each stage holds other layers
+            self.shared_params = self.pipeline.shared_parameters()
+            self.sharded_params = [p for p in self.params if all(p is not q for q in self.shared_params)]
         self.frozen_base = len(self.params) < len(list(model.parameters()))  # checkpoints hold only what trains
         self.adapter_base = adapter_base
-        self.optimizer = build_optimizer(model, cfg.optim)
+        self.optimizer = build_optimizer(model, cfg.optim, keep_empty_groups=self.pipeline is not None)
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, t.steps)
 
         self.step = 0
         self.tokens_seen = 0
-        self.tokens_per_step = cfg.data.batch_size * cfg.data.seq_len * t.grad_accum * ctx.world_size
+        self.tokens_per_step = cfg.data.batch_size * cfg.data.seq_len * t.grad_accum * ctx.data_world_size
         self.flops_per_token = flops_per_token(model.cfg, cfg.data.seq_len)
         self.peak_flops = t.peak_flops or default_peak_flops(ctx.device, t.precision)
 
@@ -194,7 +205,7 @@ class Trainer:
         return save_checkpoint(self.checkpoint_root, self.step, state, self.ctx, self.cfg.train.keep_last)
 
     def _restore(self, path: Path) -> None:
-        read_shared = self.ctx.is_main or self.ctx.strategy != "fsdp"
+        read_shared = self.ctx.is_main or not self.ctx.full_state_on_rank0
         state = load_checkpoint(path, self.ctx.rank, read_shared)
         load_model_state(self.model, state.model, self.ctx, strict=not self.frozen_base)
         load_optimizer_state(self.model, self.optimizer, state.optimizer, self.ctx)
@@ -221,13 +232,16 @@ class Trainer:
         for micro in range(t.grad_accum):
             batch = next(self.loader).to(self.ctx.device)
             with grad_sync(self.wrapped, enabled=micro == t.grad_accum - 1):
-                terms = self.train_objective(self.wrapped, batch, t.precision)
-                terms.loss.backward()
+                if self.pipeline is not None:  # forward and backward, micro-batch by micro-batch, over the stages
+                    terms = self.pipeline.forward_backward(batch, t.precision)
+                else:
+                    terms = self.train_objective(self.wrapped, batch, t.precision)
+                    terms.loss.backward()
             total = terms.detach() if total is None else total + terms.detach()
         count, stats = self._per_unit(total)
-        grads = [p.grad for p in self.params if p.grad is not None]
-        torch._foreach_div_(grads, count)  # DDP/FSDP averaged the ranks' gradients: divide by the per-rank mean count
-        grad_norm = float(clip_grad_norm(self.params, self.cfg.optim.grad_clip, self.sharded_params))
+        scale_grads(self.params, count)  # DDP/FSDP averaged the ranks' gradients: divide by the per-rank mean count
+        grad_norm = float(clip_grad_norm(self.params, self.cfg.optim.grad_clip, self.sharded_params,
+                                         self.shared_params))
         if not (math.isfinite(stats["loss"]) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
             last = latest_checkpoint(self.checkpoint_root)
@@ -252,8 +266,8 @@ class Trainer:
         self.val_loader.load_state_dict(self.val_start)
         batches = min(self.cfg.train.eval_batches, self.val_loader.batches_per_epoch)
         self.model.eval()
-        terms = [self.objective(self.model, next(self.val_loader).to(self.ctx.device), self.cfg.train.precision)
-                 for _ in range(batches)]
+        run = self.pipeline.evaluate if self.pipeline is not None else functools.partial(self.objective, self.model)
+        terms = [run(next(self.val_loader).to(self.ctx.device), self.cfg.train.precision) for _ in range(batches)]
         self.model.train()
         return self._per_unit(functools.reduce(operator.add, terms))[1]
 
@@ -268,7 +282,7 @@ class Trainer:
         state = model_state(self.model, self.ctx)  # collective under fsdp
         if self.ctx.is_main:
             model = self.model
-            if self.ctx.strategy in ("fsdp", "ep"):  # parameters (or experts) are shards; build a whole copy
+            if self.ctx.strategy in ("fsdp", "ep", "tp", "pp"):  # parameters, experts or layers are parts
                 model = type(self.model)(self.model.cfg)
                 model.load_state_dict(state)
             save_hf_dir(model, path, tokenizer=self.tokenizer)
@@ -339,7 +353,7 @@ class Trainer:
 def loader_config(data: Any, ctx: DistContext, seed: int, shuffle: bool) -> LoaderConfig:
     """This rank's `LoaderConfig` for a data section's batch_size and seq_len."""
     return LoaderConfig(batch_size=data.batch_size, seq_len=data.seq_len, seed=seed, shuffle=shuffle,
-                        rank=ctx.rank, world_size=ctx.world_size)
+                        rank=ctx.data_rank, world_size=ctx.data_world_size)
 
 
 def build_pretrainer(cfg: RunConfig, ctx: DistContext) -> Trainer:
