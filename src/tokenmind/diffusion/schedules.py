@@ -69,6 +69,13 @@ def _per_sample(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return values.to(like.device, like.dtype).reshape(-1, *[1] * (like.dim() - 1))
 
 
+def gaussian_like(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """N(0, I) noise of x's shape, dtype and device, drawn on the generator's own device (a CPU
+    generator gives the same numbers whatever device the model runs on)."""
+    device = generator.device if generator is not None else x.device
+    return torch.randn(x.shape, generator=generator, device=device, dtype=x.dtype).to(x.device)
+
+
 class NoiseSchedule:
     """The DDPM forward process q(x_t | x₀) = N(√ᾱ_t·x₀, (1−ᾱ_t)·I), t = 0..T−1, and the conversions
     between what a model predicts and (x̂₀, ε̂). Time −1 is the clean end (ᾱ = 1)."""
@@ -82,7 +89,8 @@ class NoiseSchedule:
     def alpha_bar(self, t: int | torch.Tensor) -> torch.Tensor:
         """ᾱ_t for a step index or a tensor of them; 1 where t < 0 (no noise at all)."""
         t = torch.as_tensor(t, dtype=torch.long)
-        return torch.where(t >= 0, self.alphas_cumprod[t.clamp(min=0)], torch.ones((), dtype=torch.float32))
+        table = self.alphas_cumprod.to(t.device)
+        return torch.where(t >= 0, table[t.clamp(min=0)], torch.ones((), dtype=torch.float32, device=t.device))
 
     def add_noise(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """x_t = √ᾱ_t·x₀ + √(1−ᾱ_t)·ε for a (B,) tensor of steps."""
@@ -171,8 +179,7 @@ class DDPMScheduler:
         mean = (a_next.sqrt() * beta / (1 - a_t)) * x0 + (alpha.sqrt() * (1 - a_next) / (1 - a_t)) * sample
         # 4. add σ·z, except at the last step into t = 0's clean sample
         if t > 0:
-            noise = torch.randn(model_output.shape, generator=generator, device=model_output.device,
-                                dtype=model_output.dtype)
+            noise = gaussian_like(model_output, generator)
             variance = ((1 - a_next) / (1 - a_t) * beta).clamp(min=1e-20)
             mean = mean + variance.sqrt() * noise
         return mean
@@ -202,8 +209,7 @@ class DDIMScheduler(DDPMScheduler):
         # 4. point at x̂₀, re-noised along ε̂ to t_next's level, plus fresh noise when η > 0
         prev = a_next.sqrt() * x0 + (1 - a_next - std**2).sqrt() * eps
         if self.eta > 0:
-            prev = prev + std * torch.randn(model_output.shape, generator=generator, device=model_output.device,
-                                            dtype=model_output.dtype)
+            prev = prev + std * gaussian_like(model_output, generator)
         return prev
 
 
