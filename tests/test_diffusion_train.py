@@ -4,6 +4,7 @@ image data: all on scikit-learn's 8×8 digits with a tiny convolutional denoiser
 import gzip
 import math
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,10 +24,12 @@ from tokenmind.diffusion.data import (
 from tokenmind.diffusion.objectives import DenoisingObjective, FlowMatchingObjective, drop_labels
 from tokenmind.diffusion.sampling import generate, guided_output, make_scheduler, sample
 from tokenmind.diffusion.schedules import NoiseSchedule
-from tokenmind.diffusion.train import load_diffusion_model, train_diffusion
+from tokenmind.cli import main
+from tokenmind.diffusion.train import build_model, load_diffusion_model, train_diffusion
 from tokenmind.jsonl import read_jsonl
 
 torch.set_num_threads(1)
+CONFIG = Path(__file__).resolve().parent.parent / "src/tokenmind/configs/diffusion_fashion.yaml"
 
 
 class TinyDenoiser(nn.Module):
@@ -155,6 +158,20 @@ def test_generate_writes_a_png_grid_of_the_class(tmp_path):
     assert picture.size == (4 * (2 * 10 + 2), 4 * (2 * 10 + 2))  # 2×2 images of 8 px, 2 px gaps, 4× scale
     with pytest.raises(ValueError, match="unknown class 'sneaker' for digits"):
         generate(tmp_path, tmp_path / "x.png", class_name="sneaker", model_factory=tiny_factory)
+
+
+def test_shipped_config_loads_and_the_data_decide_the_image_shape():
+    cfg = load_config(CONFIG)
+    assert (cfg.model.kind, cfg.data.dataset, cfg.diffusion.objective) == ("dit", "fashion-mnist", "ddpm")
+    with pytest.raises(ValueError, match="model.options sets sample_size, which the data decide"):
+        build_model(load_config(CONFIG, ["model.options={sample_size: 32}"]))
+    with pytest.raises(ValueError, match="diffusion.objective='gan' is not one of ddpm, flow"):
+        load_config(CONFIG, ["diffusion.objective=gan"])
+
+
+def test_cli_sample_without_a_trained_model_is_a_clear_error(tmp_path, capsys):
+    assert main(["diffusion", "sample", "--model", str(tmp_path), "--out", str(tmp_path / "x.png")]) == 2
+    assert "holds no trained diffusion model" in capsys.readouterr().err
 
 
 def test_objectives_draw_from_the_batch_seed_alone():

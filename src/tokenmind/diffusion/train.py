@@ -34,16 +34,22 @@ ModelFactory = Callable[[DiffusionConfig], nn.Module]
 
 
 def build_model(cfg: DiffusionConfig) -> nn.Module:
-    """The network `cfg.model.kind` names, built by its module's `build_model(options, in_channels=,
-    image_size=, num_classes=)`: a model called as model(x (B, C, H, W), t (B,), labels (B,) or None)
-    → (B, C, H, W), where the label num_classes means "no class"."""
+    """The network `cfg.model.kind` names (`DiT` or `UNet`), its config made of cfg.model.options plus
+    what the data decide: sample_size, in_channels, num_classes. Called as model(x (B, C, H, W),
+    t (B,), labels (B,) or None) → (B, C, H, W), the label num_classes meaning "no class"."""
     channels, size, _ = image_shape(cfg.data.dataset, cfg.data.pad_to)
+    decided = {"sample_size": size, "in_channels": channels, "num_classes": len(class_names(cfg.data.dataset))}
+    clash = sorted(set(decided) & set(cfg.model.options))
+    if clash:
+        raise ValueError(f"model.options sets {', '.join(clash)}, which the data decide "
+                         f"({', '.join(f'{k}={decided[k]}' for k in clash)}); drop them, or change data.dataset/pad_to")
+    if cfg.model.options.get("learn_sigma"):
+        raise ValueError("model.options.learn_sigma is not supported: the samplers use fixed variances")
     if cfg.model.kind == "dit":
-        from tokenmind.diffusion.dit import build_model as build
-    else:
-        from tokenmind.diffusion.unet import build_model as build
-    return build(cfg.model.options, in_channels=channels, image_size=size,
-                 num_classes=len(class_names(cfg.data.dataset)))
+        from tokenmind.diffusion.dit import DiT, DiTConfig
+        return DiT(DiTConfig(**cfg.model.options, **decided))
+    from tokenmind.diffusion.unet import UNet, UNetConfig
+    return UNet(UNetConfig(**cfg.model.options, **decided))
 
 
 def noise_schedule(cfg: DiffusionConfig) -> NoiseSchedule:
