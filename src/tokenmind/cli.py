@@ -586,6 +586,24 @@ def cmd_tokenizer_train(args) -> None:
     print(json.dumps(report, indent=2))
 
 
+def cmd_diffusion_train(args, overrides: list[str]) -> None:
+    from .diffusion.config import load_config
+    from .diffusion.train import train_diffusion
+
+    result = train_diffusion(load_config(args.config, overrides))
+    print(f"done: {result.steps} steps, {result.tokens_seen:,} images, final loss {result.final_loss:.4f}"
+          + (f", val loss {result.final_val_loss:.4f}" if result.final_val_loss is not None else ""))
+    print(f"model: {result.final_model_path}  (sample with: tokenmind diffusion sample --model {result.out_dir})")
+
+
+def cmd_diffusion_sample(args) -> None:
+    from .diffusion.sampling import generate
+
+    out = generate(args.model, args.out, args.class_name, args.n, args.steps, args.sampler, args.guidance, args.eta,
+                   args.seed, args.device)
+    print(f"wrote {out}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tokenmind",
@@ -1041,6 +1059,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.set_defaults(func=cmd_mcp_serve)
+
+    diff = sub.add_parser("diffusion", help="image diffusion: train DDPM / flow-matching models, sample images"
+                          ).add_subparsers(dest="diffusion_command", metavar="SUBCOMMAND", required=True)
+    p = diff.add_parser("train", help="train a class-conditional diffusion or flow-matching model on images",
+                        description="Train from a YAML config (sections: model, diffusion, data, optim, schedule, "
+                                    "train), e.g. --config src/tokenmind/configs/diffusion_fashion.yaml; override "
+                                    "any field with --section.key=value. Resumes from the run's last checkpoint.")
+    p.add_argument("--config", default=None, help="YAML diffusion config")
+    p.set_defaults(func=cmd_diffusion_train, takes_overrides=True)
+    p = diff.add_parser("sample", help="generate a grid of images from a trained run as a PNG",
+                        description="Sample N images of one class (or of every class in turn) with DDPM, DDIM or "
+                                    "(flow-matching models) Euler steps and classifier-free guidance.")
+    p.add_argument("--model", required=True, help="a run folder of `tokenmind diffusion train` (or its final/)")
+    p.add_argument("--class", dest="class_name", default=None, help="class name or index (default: all classes)")
+    p.add_argument("--n", type=int, default=16, help="number of images")
+    p.add_argument("--steps", type=int, default=50, help="sampling steps")
+    p.add_argument("--sampler", choices=("ddpm", "ddim", "euler"), default="ddpm")
+    p.add_argument("--guidance", type=float, default=3.0, help="classifier-free guidance scale (1 = none)")
+    p.add_argument("--eta", type=float, default=0.0, help="DDIM's η (0 = deterministic, 1 = DDPM's noise)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out", required=True, help="PNG file to write")
+    p.set_defaults(func=cmd_diffusion_sample)
 
     tok = sub.add_parser("tokenizer", help="tokenizer commands").add_subparsers(dest="tokenizer_command",
                                                                                metavar="SUBCOMMAND", required=True)

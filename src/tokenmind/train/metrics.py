@@ -70,20 +70,21 @@ def default_peak_flops(device: torch.device, precision: str) -> float | None:
     return None
 
 
-def mfu(tokens_per_s: float, flops_token: float, peak_flops: float | None, world_size: int = 1) -> float | None:
-    """Fraction of `world_size` devices' peak achieved at a global `tokens_per_s`."""
-    if peak_flops is None:
+def mfu(tokens_per_s: float, flops_token: float | None, peak_flops: float | None, world_size: int = 1) -> float | None:
+    """Fraction of `world_size` devices' peak achieved at a global `tokens_per_s`; None without
+    a FLOP count or a peak."""
+    if peak_flops is None or flops_token is None:
         return None
     return tokens_per_s * flops_token / (peak_flops * world_size)
 
 
 class MetricsLogger:
     """Appends step records to a JSONL file and shows progress. Disabled (no file, no output)
-    on ranks other than 0."""
+    on ranks other than 0. unit: what a train record's throughput counts (`<unit>_per_s`)."""
 
     def __init__(self, path: str | Path, *, total_steps: int, start_step: int = 0, enabled: bool = True,
-                 console: Console | None = None) -> None:
-        self.path, self.enabled = Path(path), enabled
+                 console: Console | None = None, unit: str = "tokens") -> None:
+        self.path, self.enabled, self.unit = Path(path), enabled, unit
         self.console = console or Console(stderr=True)
         self._handle = None
         self._progress: Progress | None = None
@@ -116,14 +117,13 @@ class MetricsLogger:
         else:  # val results stay on screen above the bar; plain lines off a terminal
             self.console.print(f"step {record['step']}: {summary}", highlight=False)
 
-    @staticmethod
-    def _summary(record: dict[str, Any]) -> str:
+    def _summary(self, record: dict[str, Any]) -> str:
         if "val_loss" in record:
             return f"val_loss {record['val_loss']:.4f}"
         if "loss" not in record:  # an evaluator's numbers
             return " ".join(f"{k} {v:.4g}" for k, v in record.items() if k.startswith("eval_"))
         parts = [f"loss {record['loss']:.4f}", f"lr {record['lr']:.2e}", f"|g| {record['grad_norm']:.3f}",
-                 f"{record['tokens_per_s']:,.0f} tok/s"]
+                 f"{record[f'{self.unit}_per_s']:,.0f} {'tok' if self.unit == 'tokens' else self.unit}/s"]
         if "reward" in record:  # an RL step
             parts.insert(1, f"reward {record['reward']:.3f}")
         if record.get("mfu") is not None:

@@ -26,7 +26,9 @@ the loss, as per-unit means too), and finally the model exported as a Hugging Fa
 The Trainer is handed what it trains — model, loaders, objective, tokenizer — and does not
 care where they come from or what fields a batch has. `build_pretrainer` gives it packed
 token-shard loaders and a randomly initialized model; SFT (`tokenmind.posttrain.sft`) gives it
-chat loaders and a pretrained model; both train the `NextTokenObjective`.
+chat loaders and a pretrained model; both train the `NextTokenObjective`. Throughput is counted
+in `unit`s, tokens here; a trainer of other data (diffusion's images) overrides `unit`,
+`units_per_step` and `export`.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from tokenmind.data.shards import TokenShards
 from tokenmind.model.checkpoint import save_hf_dir
 from tokenmind.model.load import load_tokenizer
 from tokenmind.model.lora import lora_layers, save_adapter
-from tokenmind.model.transformer import Transformer, balance_experts
+from tokenmind.model.transformer import MoE, Transformer, balance_experts
 
 from .checkpoint import TrainingState, capture_rng, latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
 from .config import RunConfig, save_resolved
@@ -109,7 +111,7 @@ class TrainResult:
     after the first (which pays one-off costs), global over all ranks."""
 
     steps: int
-    tokens_seen: int
+    tokens_seen: int  # in the trainer's unit: tokens, or images for diffusion
     final_loss: float | None
     final_val_loss: float | None
     tokens_per_s: float
@@ -181,8 +183,7 @@ class Trainer:
 
         self.step = 0
         self.tokens_seen = 0
-        self.tokens_per_step = cfg.data.batch_size * cfg.data.seq_len * t.grad_accum * ctx.data_world_size
-        self.flops_per_token = flops_per_token(model.cfg, cfg.data.seq_len)
+        self.tokens_per_step, self.flops_per_token = self.units_per_step()
         self.peak_flops = t.peak_flops or default_peak_flops(ctx.device, t.precision)
 
         latest = latest_checkpoint(self.checkpoint_root)
@@ -191,6 +192,15 @@ class Trainer:
                 raise FileExistsError(f"{self.checkpoint_root} already has checkpoints (newest: {latest.name}); "
                                       "pass --train.resume=true to continue that run or choose a new --train.out_dir")
             self._restore(latest)
+
+    unit = "tokens"  # what throughput counts (logged as `<unit>` and `<unit>_per_s`)
+
+    def units_per_step(self) -> tuple[int, float | None]:
+        """(units one optimizer step trains on over all ranks, model FLOPs per unit or None for no
+        MFU): data.batch_size × data.seq_len tokens per micro-batch, and the Transformer's count."""
+        cfg = self.cfg
+        return (cfg.data.batch_size * cfg.data.seq_len * cfg.train.grad_accum * self.ctx.data_world_size,
+                flops_per_token(self.model.cfg, cfg.data.seq_len))
 
     # ---- checkpoints -----------------------------------------------------------------------------
 
@@ -294,7 +304,8 @@ class Trainer:
         if ctx.is_main:
             save_resolved(self.cfg, self.out_dir / "config.yaml")
         metrics_path = self.out_dir / "metrics.jsonl"
-        logger = MetricsLogger(metrics_path, total_steps=t.steps, start_step=self.step, enabled=ctx.is_main)
+        logger = MetricsLogger(metrics_path, total_steps=t.steps, start_step=self.step, enabled=ctx.is_main,
+                               unit=self.unit)
         losses: list[float] = []
         timed_tokens, timed_seconds, val_loss = 0, 0.0, None
         checkpoint = latest_checkpoint(self.checkpoint_root)  # stays it if resumed at the end
@@ -316,9 +327,10 @@ class Trainer:
                     timed_tokens, timed_seconds = timed_tokens + step_tokens, timed_seconds + seconds
                 if self.step % t.log_every == 0 or self.step == t.steps:
                     speed = step_tokens / seconds
-                    logger.log({"step": self.step, **stats, **loader_stats, "step_s": seconds, "tokens_per_s": speed,
+                    logger.log({"step": self.step, **stats, **loader_stats, "step_s": seconds,
+                                f"{self.unit}_per_s": speed,
                                 "mfu": mfu(speed, self.flops_per_token, self.peak_flops, ctx.world_size),
-                                "tokens": self.tokens_seen, "elapsed": time.perf_counter() - started})
+                                self.unit: self.tokens_seen, "elapsed": time.perf_counter() - started})
                 if (t.eval_every and self.step % t.eval_every == 0) or self.step == t.steps:
                     val = self.evaluate()
                     if val is not None:
@@ -336,7 +348,7 @@ class Trainer:
         plot_path = self.out_dir / "loss.png"
         if ctx.is_main:
             plot_loss(metrics_path, plot_path)
-            if self.model.cfg.num_experts:
+            if any(isinstance(m, MoE) for m in self.model.modules()):
                 plot_expert_load(metrics_path, self.out_dir / "expert_load.png")
         speed = timed_tokens / timed_seconds if timed_seconds else 0.0
         return TrainResult(

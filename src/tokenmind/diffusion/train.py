@@ -1,0 +1,130 @@
+"""Training a diffusion model on the project's one `Trainer`, and the trained model's files.
+
+`train_diffusion(cfg)` builds the network (`model.kind`, or any `model_factory`), the image loaders
+and the objective, and hands them to `DiffusionTrainer`: the LLM `Trainer` with images as its unit
+of throughput and its own export, so checkpoints, exact resume, gradient accumulation, bf16,
+clipping, metrics, the loss plot and distributed training are the same code as pre-training.
+
+The export `run_dir/final/` holds `model.safetensors` and `config.json` (the resolved
+`DiffusionConfig`), written atomically; `load_diffusion_model` rebuilds the model from them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from tokenmind.config import config_dict
+from tokenmind.model.checkpoint import atomic_directory
+from tokenmind.train.distributed import DistContext, init_distributed, model_state
+from tokenmind.train.trainer import Trainer, TrainResult
+
+from .config import DiffusionConfig, load_config
+from .data import ImageLoader, class_names, image_shape, load_split
+from .objectives import DenoisingObjective, FlowMatchingObjective
+from .schedules import NoiseSchedule
+
+ModelFactory = Callable[[DiffusionConfig], nn.Module]
+
+
+def build_model(cfg: DiffusionConfig) -> nn.Module:
+    """The network `cfg.model.kind` names (`DiT` or `UNet`), its config made of cfg.model.options plus
+    what the data decide: sample_size, in_channels, num_classes. Called as model(x (B, C, H, W),
+    t (B,), labels (B,) or None) → (B, C, H, W), the label num_classes meaning "no class"."""
+    channels, size, _ = image_shape(cfg.data.dataset, cfg.data.pad_to)
+    decided = {"sample_size": size, "in_channels": channels, "num_classes": len(class_names(cfg.data.dataset))}
+    clash = sorted(set(decided) & set(cfg.model.options))
+    if clash:
+        raise ValueError(f"model.options sets {', '.join(clash)}, which the data decide "
+                         f"({', '.join(f'{k}={decided[k]}' for k in clash)}); drop them, or change data.dataset/pad_to")
+    if cfg.model.options.get("learn_sigma"):
+        raise ValueError("model.options.learn_sigma is not supported: the samplers use fixed variances")
+    if cfg.model.kind == "dit":
+        from tokenmind.diffusion.dit import DiT, DiTConfig
+        return DiT(DiTConfig(**cfg.model.options, **decided))
+    from tokenmind.diffusion.unet import UNet, UNetConfig
+    return UNet(UNetConfig(**cfg.model.options, **decided))
+
+
+def noise_schedule(cfg: DiffusionConfig) -> NoiseSchedule:
+    d = cfg.diffusion
+    return NoiseSchedule(d.beta_schedule, d.num_train_timesteps, d.beta_start, d.beta_end)
+
+
+def build_objective(cfg: DiffusionConfig) -> DenoisingObjective | FlowMatchingObjective:
+    """cfg.diffusion's training objective for the data set's classes."""
+    d, num_classes = cfg.diffusion, len(class_names(cfg.data.dataset))
+    if d.objective == "ddpm":
+        return DenoisingObjective(noise_schedule(cfg), d.prediction_type, num_classes=num_classes,
+                                  cfg_dropout=d.cfg_dropout)
+    return FlowMatchingObjective(num_classes=num_classes, cfg_dropout=d.cfg_dropout, t_sampling=d.t_sampling,
+                                 logit_mean=d.logit_mean, logit_std=d.logit_std, time_scale=d.num_train_timesteps)
+
+
+class DiffusionTrainer(Trainer):
+    """The one `Trainer`, counting images (MFU is not reported: no FLOP count for an arbitrary
+    network) and exporting with `save_diffusion_model`."""
+
+    unit = "images"
+
+    def units_per_step(self) -> tuple[int, float | None]:
+        t = self.cfg.train
+        return self.cfg.data.batch_size * t.grad_accum * self.ctx.world_size, None
+
+    def export(self) -> Path:
+        path = self.out_dir / "final"
+        state = model_state(self.model, self.ctx)  # collective under fsdp
+        if self.ctx.is_main:
+            save_diffusion_model(state, self.cfg, path)
+        return path
+
+
+def build_diffusion_trainer(cfg: DiffusionConfig, ctx: DistContext,
+                            model_factory: ModelFactory | None = None) -> DiffusionTrainer:
+    """Loaders over the data set's train and test splits, the model (initialized from train.seed)
+    and the objective, wired into the trainer."""
+    data = cfg.data
+    images, labels = load_split(data.dataset, "train")
+    loader = ImageLoader(images, labels, data.batch_size, seed=data.seed, shuffle=data.shuffle, pad_to=data.pad_to,
+                         rank=ctx.rank, world_size=ctx.world_size)
+    val_images, val_labels = load_split(data.dataset, "test")
+    val_loader = ImageLoader(val_images, val_labels, data.batch_size, seed=data.seed + 1, shuffle=False,
+                             pad_to=data.pad_to, rank=ctx.rank, world_size=ctx.world_size)
+    torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
+    model = (model_factory or build_model)(cfg)
+    return DiffusionTrainer(cfg, ctx, model, loader, val_loader, objective=build_objective(cfg))
+
+
+def train_diffusion(cfg: DiffusionConfig, model_factory: ModelFactory | None = None) -> TrainResult:
+    """Train (or resume) the run `cfg` describes; behind `tokenmind diffusion train`."""
+    with contextlib.closing(init_distributed(cfg.train.distributed, cfg.train.device)) as ctx:
+        return build_diffusion_trainer(cfg, ctx, model_factory).train()
+
+
+def save_diffusion_model(state: dict[str, torch.Tensor], cfg: DiffusionConfig, path: str | Path) -> Path:
+    """Write a model's weights and its run config as `path/{model.safetensors,config.json}`, atomically."""
+    with atomic_directory(path) as tmp:
+        (tmp / "config.json").write_text(json.dumps(config_dict(cfg), indent=2) + "\n", encoding="utf-8")
+        save_file({k: v.detach().contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
+    return Path(path)
+
+
+def load_diffusion_model(path: str | Path, model_factory: ModelFactory | None = None,
+                         device: str | torch.device = "cpu") -> tuple[nn.Module, DiffusionConfig]:
+    """(model in eval mode, its run config) from a run folder or its `final/` export."""
+    path = Path(path)
+    if not (path / "config.json").is_file() and (path / "final" / "config.json").is_file():
+        path = path / "final"
+    if not (path / "model.safetensors").is_file() or not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} holds no trained diffusion model (model.safetensors + config.json); "
+                                "pass the run folder of `tokenmind diffusion train` or its final/ folder")
+    cfg = load_config(path / "config.json")  # JSON is YAML
+    model = (model_factory or build_model)(cfg)
+    model.load_state_dict(load_file(str(path / "model.safetensors")))
+    return model.to(device).eval(), cfg
