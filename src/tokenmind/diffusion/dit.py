@@ -252,7 +252,7 @@ def dit_config_to_diffusers(cfg: DiTConfig) -> dict:
     if cfg.pos_embed != "sincos" or cfg.mlp_ratio != 4.0:
         raise ValueError("diffusers' DiT has fixed sin-cos positions and an MLP 4x wide; this DiT "
                          f"(pos_embed={cfg.pos_embed!r}, mlp_ratio={cfg.mlp_ratio}) has no diffusers layout")
-    return {"_class_name": DIFFUSERS_CLASS, "sample_size": cfg.sample_size, "in_channels": cfg.in_channels,
+    return {"sample_size": cfg.sample_size, "in_channels": cfg.in_channels,
             "out_channels": cfg.out_channels, "patch_size": cfg.patch_size, "num_layers": cfg.num_layers,
             "num_attention_heads": cfg.num_heads, "attention_head_dim": cfg.hidden_size // cfg.num_heads,
             "num_embeds_ada_norm": cfg.num_classes, "attention_bias": cfg.attention_bias, "norm_eps": cfg.norm_eps,
@@ -336,9 +336,7 @@ def load_diffusers_dit(path: str | Path, dtype: torch.dtype = torch.float32) -> 
     """A DiT from a diffusers-layout directory (config.json + diffusion_pytorch_model.safetensors),
     as `DiTTransformer2DModel.save_pretrained` or `save_diffusers_dit` writes it; shared conditioning
     when every block holds the same embedder."""
-    config, state = read_weights_dir(path)
-    if config.get("_class_name", DIFFUSERS_CLASS) != DIFFUSERS_CLASS:
-        raise ValueError(f"{path} holds a {config['_class_name']}, not a {DIFFUSERS_CLASS}")
+    config, state = read_weights_dir(path, DIFFUSERS_CLASS)
     cfg = dit_config_from_diffusers(config, shared_conditioning=blocks_share_conditioning(state))
     model = DiT(cfg)
     model.load_state_dict(dit_from_diffusers(state, cfg))
@@ -348,5 +346,5 @@ def load_diffusers_dit(path: str | Path, dtype: torch.dtype = torch.float32) -> 
 def save_diffusers_dit(model: DiT, path: str | Path) -> Path:
     """Write `model` so diffusers' `DiTTransformer2DModel.from_pretrained(path)` (and
     `load_diffusers_dit`) loads it; atomic."""
-    return save_weights_dir(path, dit_config_to_diffusers(model.cfg), dit_to_diffusers(model))
+    return save_weights_dir(path, DIFFUSERS_CLASS, dit_config_to_diffusers(model.cfg), dit_to_diffusers(model))
 

@@ -22,17 +22,19 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 
 
-def save_weights_dir(path: str | Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
-    """Write `config` and `tensors` (stored as fp32, contiguous) to the directory `path`, atomically."""
+def save_weights_dir(path: str | Path, class_name: str, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
+    """Write `config` (with `_class_name`, as diffusers names the model class) and `tensors` (floats
+    stored as fp32) to the directory `path`, atomically."""
     with atomic_directory(path) as tmp:
-        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
-        save_file({k: v.detach().to(torch.float32).contiguous() for k, v in tensors.items()},
+        (tmp / CONFIG_NAME).write_text(json.dumps({"_class_name": class_name, **config}, indent=2) + "\n")
+        save_file({k: (v.float() if v.is_floating_point() else v).detach().contiguous() for k, v in tensors.items()},
                   str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
     return Path(path)
 
 
-def read_weights_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config, tensors) of a directory `save_weights_dir` (or diffusers' save_pretrained) wrote."""
+def read_weights_dir(path: str | Path, class_name: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config without its `_class_name`, tensors) of a directory `save_weights_dir` (or diffusers'
+    save_pretrained) wrote for a `class_name` model; another class is refused by name."""
     path = Path(path)
     config_path, weights_path = path / CONFIG_NAME, path / WEIGHTS_NAME
     if not config_path.is_file() or not weights_path.is_file():
@@ -42,6 +44,10 @@ def read_weights_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
         config = json.loads(config_path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{config_path} is not valid JSON: {e}") from e
+    found = config.pop("_class_name", None)
+    if found != class_name:
+        raise ValueError(f"{path} holds a {found or 'model without _class_name'}, not a {class_name}; "
+                         "load it with the loader of its own class")
     try:
         tensors = load_file(str(weights_path))
     except (SafetensorError, OSError) as e:
