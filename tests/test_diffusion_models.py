@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import scipy.linalg
 import torch
+from test_train_helpers import one_thread  # noqa: F401 (autouse fixture)
 
 from tokenmind.diffusion.dit import (
     DiT,
