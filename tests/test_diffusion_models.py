@@ -65,6 +65,9 @@ def test_dit_matches_diffusers_on_the_same_weights():
         got = model(x, t, labels)
     assert got.shape == (4, 8, 8, 8)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    truncated = {k: v for k, v in ref.state_dict().items() if not k.startswith("transformer_blocks.1.")}
+    with pytest.raises(ValueError, match="lacks transformer_blocks.1"):
+        dit_from_diffusers(truncated, cfg)
     # and back: our weights in diffusers' layout load into diffusers and give the same output
     again = tiny_diffusers_dit(seed=5)
     again.load_state_dict(dit_to_diffusers(model))

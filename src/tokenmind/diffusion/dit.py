@@ -284,14 +284,21 @@ def dit_from_diffusers(state_dict: dict[str, torch.Tensor], cfg: DiTConfig) -> d
         raise ValueError("the blocks of this diffusers DiT have different timestep/class embedders; "
                          "load it with DiTConfig(shared_conditioning=False)")
     ours, rest = {}, dict(state_dict)
+
+    def take(name: str) -> torch.Tensor:
+        if name not in rest:
+            raise ValueError(f"the diffusers DiT state dict lacks {name}; check that the config "
+                             f"(num_layers={cfg.num_layers}) belongs to these weights")
+        return rest.pop(name)
+
     for theirs, mine in _TOP_KEYS.items():
         for suffix in ("weight", "bias"):
-            ours[f"{mine}.{suffix}"] = rest.pop(f"{theirs}.{suffix}")
+            ours[f"{mine}.{suffix}"] = take(f"{theirs}.{suffix}")
     for i in range(cfg.num_layers):
         pre = f"transformer_blocks.{i}."
         for suffix in ("weight", "bias"):
             for theirs, mine in _BLOCK_KEYS.items():
-                ours[f"blocks.{i}.{mine}.{suffix}"] = rest.pop(f"{pre}{theirs}.{suffix}")
+                ours[f"blocks.{i}.{mine}.{suffix}"] = take(f"{pre}{theirs}.{suffix}")
             parts = [rest.pop(f"{pre}attn1.to_{n}.{suffix}", None) for n in "qkv"]
             if all(part is not None for part in parts):
                 ours[f"blocks.{i}.attn.qkv_proj.{suffix}"] = torch.cat(parts)
