@@ -17,7 +17,7 @@ losses, as one step's loss is noisy), its gap to bf16 (absolute and relative) an
 simulation costs, not what FP8 hardware gives). The loss curves go to one PNG
 (`metrics.plot_loss_curves`).
 
-    python benchmarks/bench_precision.py [--steps 150] [--out bench_precision.json] [--plot precision_loss.png]
+    python benchmarks/bench_precision.py [--steps 120] [--out bench_precision.json] [--plot precision_loss.png]
 """
 
 from __future__ import annotations
@@ -102,13 +102,13 @@ def run(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--steps", type=int, default=120)
     p.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))
     p.add_argument("--shards", help="a token-shard folder (with a train split); default: a synthetic corpus")
     p.add_argument("--vocab", type=int, default=512, help="vocabulary of the synthetic corpus")
     p.add_argument("--hidden-size", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--plot", default="precision_loss.png")
