@@ -118,7 +118,13 @@ class TrainSection:
     """The loop, precision, checkpoints, logging and parallelism.
 
     precision: fp32, or bf16 autocast (matmuls in bf16, parameters, gradients and optimizer
-        state stay fp32: the fp32 copy is the master weights).
+        state stay fp32: the fp32 copy is the master weights), fp16 autocast with dynamic loss
+        scaling (`precision.py`), or fp8: the projections' matmuls through FP8 casts with delayed
+        scaling (`model/fp8.py`), everything else in bf16 autocast.
+    loss_scale/loss_scale_growth_interval: fp16's initial loss scale, and the clean steps after
+        which it doubles (an overflowing step is skipped and halves it).
+    fp8_amax_history/fp8_margin: fp8's delayed scaling: amaxes remembered per tensor, and the
+        extra headroom 2^margin (`Fp8Recipe`).
     eval_every/checkpoint_every: in optimizer steps; 0 = only at the end. keep_last: checkpoints
         kept on disk (0 = all). log_every: steps between JSONL lines / console updates.
     peak_flops: the hardware peak MFU divides by, per device. None picks the measured peak for
@@ -152,9 +158,13 @@ class TrainSection:
     device: str = "auto"
     pipeline_microbatches: int = 2
     pipeline_schedule: str = "1f1b"
+    loss_scale: float = 2.0**16
+    loss_scale_growth_interval: int = 2000
+    fp8_amax_history: int = 16
+    fp8_margin: int = 0
 
     def __post_init__(self) -> None:
-        _choice("train", "precision", self.precision, ("fp32", "bf16"))
+        _choice("train", "precision", self.precision, ("fp32", "bf16", "fp16", "fp8"))
         _choice("train", "distributed", self.distributed, ("none", "ddp", "fsdp", "ep", "tp", "pp"))
         _choice("train", "pipeline_schedule", self.pipeline_schedule, ("gpipe", "1f1b"))
         _choice("train", "device", self.device, ("auto", "cpu", "cuda"))
@@ -165,6 +175,19 @@ class TrainSection:
         _check(self.init_std > 0, f"train.init_std must be > 0, got {self.init_std}")
         _check(self.peak_flops is None or self.peak_flops > 0,
                f"train.peak_flops must be > 0 or null (auto), got {self.peak_flops}")
+        _check(math.isfinite(self.loss_scale) and self.loss_scale > 0,
+               f"train.loss_scale must be a finite number > 0, got {self.loss_scale}")
+        for name in ("loss_scale_growth_interval", "fp8_amax_history"):
+            _check(getattr(self, name) >= 1, f"train.{name} must be >= 1, got {getattr(self, name)}")
+        _check(self.fp8_margin >= 0, f"train.fp8_margin must be >= 0, got {self.fp8_margin}")
+        if self.precision == "fp8":
+            _check(not self.gradient_checkpointing, "train.precision=fp8 cannot recompute activations: the "
+                   "recomputed forward would advance the amax histories again; set train.gradient_checkpointing=false")
+            _check(self.distributed not in ("fsdp", "tp"), "train.precision=fp8 casts whole weight matrices, not "
+                   f"{self.distributed} shards; use train.distributed=ddp, pp or none")
+        _check(not (self.precision == "fp16" and self.distributed == "pp"),
+               "train.precision=fp16 scales the loss the pipeline schedule computes inside its stages; use bf16 "
+               "with train.distributed=pp")
 
 
 @dataclass

@@ -60,13 +60,15 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 
 def default_peak_flops(device: torch.device, precision: str) -> float | None:
-    """The per-device peak FLOP/s MFU divides by, or None for an unknown GPU (set train.peak_flops)."""
+    """The per-device peak FLOP/s MFU divides by, or None for an unknown GPU (set train.peak_flops).
+    fp16 and fp8 (whose FP8 GEMMs are simulated, `model/fp8.py`) are measured against the bf16 peak."""
+    low = precision != "fp32"
     if device.type == "cpu":
-        return CPU_PEAK_BF16 if precision == "bf16" else CPU_PEAK_FP32
+        return CPU_PEAK_BF16 if low else CPU_PEAK_FP32
     name = torch.cuda.get_device_name(device)
     for key, bf16, fp32 in _PEAKS:
         if key in name:
-            return bf16 if precision == "bf16" else fp32
+            return bf16 if low else fp32
     return None
 
 

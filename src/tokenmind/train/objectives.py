@@ -71,8 +71,10 @@ class Objective(Protocol):
 
 
 def autocast(device: torch.device, precision: str):
-    """bf16 autocast for matmuls (weights stay fp32) or a no-op for fp32."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    """Autocast for matmuls (weights stay fp32): bf16, fp16, or bf16 around fp8's FP8 projections
+    (`model/fp8.py`); a no-op for fp32."""
+    dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+    return torch.autocast(device.type, dtype=dtype, enabled=precision != "fp32")
 
 
 def token_loss(model: nn.Module, input_ids: torch.Tensor, targets: torch.Tensor, document_ids: torch.Tensor,

@@ -6,16 +6,19 @@ data loader, step counter — so a checkpoint of exactly those, plus RNG states,
 run retrace the uninterrupted one's loss curve. One optimizer step:
 
 1. grad_accum micro-batches, each: the objective's loss summed over the batch's units
-   (`objectives.py`; the forward under bf16 autocast if configured, while parameters stay fp32,
-   so they are the master weights and the optimizer never sees bf16), backward. Under DDP/FSDP
-   gradients are synchronized only on the last micro-batch.
-2. The gradients are divided by the number of units in the whole global batch, so every unit
-   weighs the same however they spread over micro-batches and ranks: with next-token loss on
-   packed pre-training rows that is the plain mean over targets, with SFT the mean over the
-   assistant tokens (the others are `IGNORE_INDEX`).
+   (`objectives.py`; the forward under bf16/fp16 autocast if configured, while parameters stay
+   fp32, so they are the master weights and the optimizer never sees bf16), backward (of the
+   loss times the loss scale under fp16, `precision.py`). Under DDP/FSDP gradients are
+   synchronized only on the last micro-batch.
+2. The gradients are divided by the number of units in the whole global batch (and the loss
+   scale), so every unit weighs the same however they spread over micro-batches and ranks: with
+   next-token loss on packed pre-training rows that is the plain mean over targets, with SFT the
+   mean over the assistant tokens (the others are `IGNORE_INDEX`).
 3. Global gradient norm, measured before clipping (the logged number) and clipped.
 4. A NaN/inf loss or norm stops the run *before* the update with `TrainingDiverged`; no
-   checkpoint is written after that, so the newest one on disk is the last good state.
+   checkpoint is written after that, so the newest one on disk is the last good state. Under
+   fp16 an inf/NaN norm with a finite loss is an overflow of the scaled gradients instead: the
+   update is skipped and the loss scale halves (logged as `loss_scale`, `skipped_steps`).
 5. Optimizer step, then the scheduler sets the next step's lr.
 
 Around that: validation loss every eval_every steps and at the end, checkpoints every
@@ -39,6 +42,7 @@ import math
 import operator
 import random
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Callable
@@ -50,6 +54,7 @@ import torch
 from tokenmind.data.loader import LoaderConfig, PackedLoader
 from tokenmind.data.shards import TokenShards
 from tokenmind.model.checkpoint import save_hf_dir
+from tokenmind.model.fp8 import Fp8Recipe, enable_fp8, fp8_state, load_fp8_state
 from tokenmind.model.load import load_tokenizer
 from tokenmind.model.lora import lora_layers, save_adapter
 from tokenmind.model.transformer import MoE, Transformer, balance_experts
@@ -81,6 +86,7 @@ from .metrics import (
 from .objectives import LossTerms, NextTokenObjective, Objective
 from .pipeline_parallel import PipelineParallel
 from .optim import build_optimizer
+from .precision import LossScaler
 from .schedule import build_scheduler
 
 if TYPE_CHECKING:
@@ -161,6 +167,9 @@ class Trainer:
         self.train_objective = self.objective.compiled() if t.compile else self.objective
         seed_everything(t.seed + ctx.rank)
         model.gradient_checkpointing = t.gradient_checkpointing
+        if t.precision == "fp8":
+            enable_fp8(model, Fp8Recipe(t.fp8_amax_history, t.fp8_margin))
+        self.loss_scaler = LossScaler(t.loss_scale, t.loss_scale_growth_interval) if t.precision == "fp16" else None
         model.to(ctx.device)
         self.model = model  # the module whose state we save (sharded in place under fsdp)
         self.wrapped = wrap_model(model, ctx, t.pipeline_microbatches, t.pipeline_schedule,
@@ -209,8 +218,9 @@ class Trainer:
         state = TrainingState(
             model=model_state(self.model, self.ctx, trainable_only=self.frozen_base),
             optimizer=optimizer_state(self.model, self.optimizer, self.ctx),
-            trainer={"step": self.step, "tokens_seen": self.tokens_seen, "scheduler": self.scheduler.state_dict()},
-            rank={"loader": self.loader.state_dict(), "rng": capture_rng()},
+            trainer={"step": self.step, "tokens_seen": self.tokens_seen, "scheduler": self.scheduler.state_dict(),
+                     **({"loss_scaler": self.loss_scaler.state_dict()} if self.loss_scaler else {})},
+            rank={"loader": self.loader.state_dict(), "rng": capture_rng(), "fp8": fp8_state(self.model)},
         )
         return save_checkpoint(self.checkpoint_root, self.step, state, self.ctx, self.cfg.train.keep_last)
 
@@ -223,6 +233,12 @@ class Trainer:
         self.step, self.tokens_seen = state.trainer["step"], state.trainer["tokens_seen"]
         self.loader.load_state_dict(state.rank["loader"])
         restore_rng(state.rank["rng"])
+        if self.loss_scaler is not None:
+            if "loss_scaler" not in state.trainer:
+                raise ValueError(f"{path} was not saved by an fp16 run (it has no loss scale); resume it with the "
+                                 "train.precision it was trained in")
+            self.loss_scaler.load_state_dict(state.trainer["loss_scaler"])
+        load_fp8_state(self.model, state.rank.get("fp8", {}))
 
     # ---- the loop --------------------------------------------------------------------------------
 
@@ -236,8 +252,10 @@ class Trainer:
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step over the global batch; returns the loss and the objective's metrics
-        (per unit), then the lr used and the pre-clip gradient norm."""
-        t = self.cfg.train
+        (per unit), then the lr used and the pre-clip gradient norm (and under fp16 the loss scale
+        this step used and the steps skipped so far)."""
+        t, scaler = self.cfg.train, self.loss_scaler
+        scale = scaler.scale if scaler is not None else 1.0
         total = None
         for micro in range(t.grad_accum):
             batch = next(self.loader).to(self.ctx.device)
@@ -246,12 +264,15 @@ class Trainer:
                     terms = self.pipeline.forward_backward(batch, t.precision)
                 else:
                     terms = self.train_objective(self.wrapped, batch, t.precision)
-                    terms.loss.backward()
+                    (terms.loss if scaler is None else scaler.scale_loss(terms.loss)).backward()
             total = terms.detach() if total is None else total + terms.detach()
         count, stats = self._per_unit(total)
-        scale_grads(self.params, count)  # DDP/FSDP averaged the ranks' gradients: divide by the per-rank mean count
+        # DDP/FSDP averaged the ranks' gradients: divide by the per-rank mean count (and unscale)
+        scale_grads(self.params, count * scale)
         grad_norm = float(clip_grad_norm(self.params, self.cfg.optim.grad_clip, self.sharded_params,
                                          self.shared_params))
+        if scaler is not None and math.isfinite(stats["loss"]) and scaler.update(grad_norm):
+            return self._skip_step(stats, grad_norm, scale)
         if not (math.isfinite(stats["loss"]) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
             last = latest_checkpoint(self.checkpoint_root)
@@ -264,7 +285,27 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         loads = balance_experts(self.model, self.ctx.mean)  # a mixture of experts' load, and its bias update
-        return {**stats, "lr": lr, "grad_norm": grad_norm, **expert_load_stats(loads)}
+        return {**stats, "lr": lr, "grad_norm": grad_norm, **expert_load_stats(loads), **self._scaler_stats(scale)}
+
+    def _skip_step(self, stats: dict[str, float], grad_norm: float, scale: float) -> dict[str, float]:
+        """An fp16 step whose scaled gradients overflowed: no update (the LR schedule still moves
+        on, so lr stays a function of the step); the loss scaler has halved its scale."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.loss_scaler.scale < torch.finfo(torch.float16).smallest_normal:
+            raise TrainingDiverged(
+                f"fp16 gradients overflow at every loss scale (now {self.loss_scaler.scale:.3g}) at step "
+                f"{self.step + 1}: the gradients themselves are out of fp16's range. Use train.precision=bf16 or "
+                "lower optim.lr, then rerun with train.resume=true")
+        lr = self.optimizer.param_groups[0]["lr"]
+        with warnings.catch_warnings():  # torch warns when the first step is a skipped one; skipping is the point
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
+            self.scheduler.step()
+        return {**stats, "lr": lr, "grad_norm": grad_norm, **self._scaler_stats(scale)}
+
+    def _scaler_stats(self, scale: float) -> dict[str, float]:
+        if self.loss_scaler is None:
+            return {}
+        return {"loss_scale": scale, "skipped_steps": self.loss_scaler.skipped_steps}
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float] | None:
