@@ -154,6 +154,13 @@ def test_beam_request_batched_with_others_gives_its_solo_result(models):
     assert_no_leaks(engine)
 
 
+def test_prompt_logprobs_come_back_with_the_beams(models):
+    ours, _ = models
+    beams, _ = beam_search(ours, PROMPT_B, SamplingParams(max_tokens=3, num_beams=2, prompt_logprobs=1))
+    scored, _ = beam_search(ours, PROMPT_B, SamplingParams(max_tokens=0, prompt_logprobs=1))
+    assert len(beams.prompt_logprobs) == len(PROMPT_B) and beams.prompt_logprobs == scored.prompt_logprobs
+
+
 def test_abort_returns_the_live_beams_and_frees_their_blocks(models):
     ours, _ = models
     engine = Engine(ours, config=EngineConfig(block_size=4, max_num_seqs=8))

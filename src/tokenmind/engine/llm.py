@@ -499,7 +499,9 @@ class Engine:
             completions.append(CompletionOutput(i, ids, stream.text, reason, None, new_token_ids=ids,
                                                 new_text=stream.text, queue_s=head.queue_s, ttft_s=ttft,
                                                 tpot_s=tpot, score=score))
-        prompt_logprobs = None if head.params.prompt_logprobs is None else list(head.prompt_logprobs)
+        prompt_logprobs = None
+        if head.params.prompt_logprobs is not None and not head.needs_prompt_logprobs:
+            prompt_logprobs = list(head.prompt_logprobs)
         return RequestOutput(head.request_id, head.token_ids[:head.num_prompt_tokens], completions,
                              head.num_cached_tokens, prompt_logprobs)
 
