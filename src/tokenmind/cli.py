@@ -89,28 +89,99 @@ def _load(args):
     return pretrained
 
 
+def _generate_mode(args) -> str | None:
+    """Which of --best-of, --self-consistency and --beams picks the answer (at most one); checks the
+    flags that belong to them."""
+    modes = [flag for flag, on in (("--best-of", args.best_of), ("--self-consistency", args.self_consistency),
+                                   ("--beams", args.beams)) if on]
+    if len(modes) > 1:
+        raise ValueError(f"{' and '.join(modes)} are different ways to pick an answer; give one of them")
+    mode = modes[0] if modes else None
+    if mode is None and (args.chat or args.verbose):
+        raise ValueError("--chat and --verbose go with --best-of N, --self-consistency N or --beams N; add "
+                         "--best-of N (or one of the others)")
+    if mode not in ("--best-of", "--self-consistency") and args.answer is not None:
+        raise ValueError("--answer (the gold answer) goes with --best-of N or --self-consistency N; add --best-of N")
+    if mode != "--best-of" and args.meta:
+        raise ValueError("--meta goes with --best-of N; add --best-of N")
+    if mode != "--self-consistency" and args.extract is not None:
+        raise ValueError("--extract goes with --self-consistency N; add --self-consistency N")
+    if mode != "--beams" and (args.length_penalty is not None or args.early_stopping is not None):
+        raise ValueError("--length-penalty and --early-stopping go with --beams N; add --beams N")
+    if mode and (args.speculative or args.echo):
+        raise ValueError(f"{mode} prints whole candidates, without --speculative or --echo; drop those")
+    return mode
+
+
+def _print_best_of(args, pretrained) -> None:
+    from .posttrain.sampling import best_of_prompt
+
+    meta = dict(args.meta or [], **({"answer": args.answer} if args.answer is not None else {}))
+    ranked = best_of_prompt(pretrained, args.prompt, args.best_of, args.scorer, _sampling_params(args),
+                            chat=args.chat, meta=meta)
+    for i in range(len(ranked.texts)) if args.verbose else [ranked.best]:
+        if args.verbose:
+            print(f"--- candidate {i}: score {ranked.scores[i]:.4g}, finish {ranked.finish_reasons[i]}"
+                  f"{' (best)' if i == ranked.best else ''}")
+        print(ranked.texts[i])
+    print(f"[best of {args.best_of} by {args.scorer}: candidate {ranked.best}, score "
+          f"{ranked.scores[ranked.best]:.4g}; scores {', '.join(f'{s:.3g}' for s in ranked.scores)}]",
+          file=sys.stderr)
+
+
+def _print_self_consistency(args, pretrained) -> None:
+    from .posttrain.sampling import self_consistency_prompt
+    from .posttrain.tasks import get_verifier
+
+    extract = args.extract or "numeric"
+    vote = self_consistency_prompt(pretrained, args.prompt, args.self_consistency, extract, _sampling_params(args),
+                                   chat=args.chat)
+    if args.verbose:
+        for i, (text, answer) in enumerate(zip(vote.texts, vote.answers)):
+            print(f"--- candidate {i}: answer {answer}")
+            print(text)
+        print("--- voted answer")
+    print(vote.answer)
+    right = ""
+    if args.answer is not None and vote.answer is not None:  # the task's verifier reads the voted answer
+        same = get_verifier(extract)(args.prompt, vote.answer, answer=args.answer)
+        right = f"; {'right' if same else 'wrong'} (gold {args.answer})"
+    print(f"[self-consistency over {args.self_consistency} samples ({extract} answers): {vote.answer} with "
+          f"{vote.share:.0%} of the votes; answers {', '.join(str(a) for a in vote.answers)}{right}]", file=sys.stderr)
+
+
+def _print_beams(args, pretrained) -> None:
+    import dataclasses
+
+    from .engine.llm import LLM
+
+    tokenizer = pretrained.tokenizer
+    prompt = (tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+              if args.chat else tokenizer.encode_prompt(args.prompt))
+    early = {"true": True, "false": False, "never": "never"}[args.early_stopping or "false"]
+    params = dataclasses.replace(_sampling_params(args), num_beams=args.beams, n=args.beams if args.verbose else 1,
+                                 length_penalty=1.0 if args.length_penalty is None else args.length_penalty,
+                                 early_stopping=early)
+    t0 = time.perf_counter()
+    out = LLM(pretrained, max_num_seqs=args.beams).generate(prompt, params)[0]
+    for c in out.outputs:
+        if args.verbose:
+            print(f"--- beam {c.index}: score {c.score:.4g}, {len(c.token_ids)} tokens, finish {c.finish_reason}")
+        print(c.text)
+    best = out.outputs[0]
+    print(f"[beam search with {args.beams} beams, length penalty {params.length_penalty}, early stopping "
+          f"{args.early_stopping or 'false'}: score {best.score:.4g}, {len(best.token_ids)} tokens, "
+          f"{time.perf_counter() - t0:.1f}s, finish: {best.finish_reason}]", file=sys.stderr)
+
+
 def cmd_generate(args) -> None:
     from .chat import StreamStats, interactive_llm
 
-    if not args.best_of and (args.chat or args.answer is not None or args.meta or args.verbose):
-        raise ValueError("--chat, --answer, --meta and --verbose go with --best-of N; add --best-of N")
-    if args.best_of and (args.speculative or args.echo):
-        raise ValueError("--best-of prints whole candidates, without --speculative or --echo; drop those")
+    mode = _generate_mode(args)
     pretrained = _load(args)
-    if args.best_of:
-        from .posttrain.sampling import best_of_prompt
-
-        meta = dict(args.meta or [], **({"answer": args.answer} if args.answer is not None else {}))
-        ranked = best_of_prompt(pretrained, args.prompt, args.best_of, args.scorer, _sampling_params(args),
-                                chat=args.chat, meta=meta)
-        for i in range(len(ranked.texts)) if args.verbose else [ranked.best]:
-            if args.verbose:
-                print(f"--- candidate {i}: score {ranked.scores[i]:.4g}, finish {ranked.finish_reasons[i]}"
-                      f"{' (best)' if i == ranked.best else ''}")
-            print(ranked.texts[i])
-        print(f"[best of {args.best_of} by {args.scorer}: candidate {ranked.best}, score "
-              f"{ranked.scores[ranked.best]:.4g}; scores {', '.join(f'{s:.3g}' for s in ranked.scores)}]",
-              file=sys.stderr)
+    if mode is not None:
+        {"--best-of": _print_best_of, "--self-consistency": _print_self_consistency,
+         "--beams": _print_beams}[mode](args, pretrained)
         return
     llm = interactive_llm(pretrained, args.speculative)
     if args.echo:
@@ -611,10 +682,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    p = sub.add_parser("generate", help="continue a prompt (plain text, no chat template); or best-of-N",
+    p = sub.add_parser("generate", help="continue a prompt (plain text, no chat template); or best-of-N, "
+                                        "self-consistency, beam search",
                        description="Print the model's continuation of PROMPT, streamed token by token. With "
                                    "--best-of N: sample N completions, score each with a verifier or reward "
-                                   "model, print the best.")
+                                   "model, print the best. With --self-consistency N: sample N, print the "
+                                   "majority answer. With --beams N: beam search, print the best beam.")
     _add_model_args(p)
     _add_sampling_args(p, max_tokens=64)
     _add_speculative_args(p)
@@ -629,8 +702,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--answer", default=None, help="the gold answer the verifier checks against")
     g.add_argument("--meta", type=name_equals_path, action="append", metavar="KEY=VALUE",
                    help="another field for the verifier (e.g. expression=\"(7 * 3) + 17\" for multistep); repeatable")
-    g.add_argument("--chat", action="store_true", help="send PROMPT as a user message with the chat template")
-    g.add_argument("--verbose", action="store_true", help="print every candidate with its score, not only the best")
+    g.add_argument("--chat", action="store_true", help="send PROMPT as a user message with the chat template "
+                                                       "(also with --self-consistency and --beams)")
+    g.add_argument("--verbose", action="store_true", help="print every candidate with its score, not only the best "
+                                                          "(also with --self-consistency and --beams)")
+    g = p.add_argument_group("self-consistency", "sample N completions, extract each one's final answer, print the "
+                                                 "most frequent (needs --temperature > 0; --answer GOLD says if it "
+                                                 "is right)")
+    g.add_argument("--self-consistency", type=int, default=0, metavar="N", help="completions to sample and vote over")
+    g.add_argument("--extract", choices=("numeric", "choice"), default=None,
+                   help="the answer each completion votes for: its final number (default) or its choice letter")
+    g = p.add_argument_group("beam search", "keep the N likeliest continuations at each step, print the best")
+    g.add_argument("--beams", type=int, default=0, metavar="N", help="number of beams")
+    g.add_argument("--length-penalty", type=float, default=None, metavar="P",
+                   help="a finished beam scores sum(logprobs) / length**P (default 1.0; > 1 favours longer, < 0 "
+                        "shorter beams)")
+    g.add_argument("--early-stopping", choices=("true", "false", "never"), default=None,
+                   help="when the search ends, as in transformers: true once N beams finished; false (default) "
+                        "once no live beam can beat them at its current length; never: ... at --max-tokens")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="interactive chat with the model's chat template",

@@ -3,8 +3,9 @@
 `Engine.step()` is the whole loop body: schedule → run the model → sample → append tokens, check
 stops, detokenize → report. Everything about a request's *output* lives here: stop token ids and
 EOS, `max_tokens` and the context limit, stop strings on the detokenized text, n > 1 siblings
-(forked from the parent when its prompt is done, so they share its KV blocks), and the deltas a
-streaming consumer needs. Scheduling, blocks, the forward pass and sampling are delegated.
+(forked from the parent when its prompt is done, so they share its KV blocks), the beams of a beam
+search (forked and pruned each step as `beam.py` chooses), and the deltas a streaming consumer
+needs. Scheduling, blocks, the forward pass and sampling are delegated.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ..model.attention import DenseAttentionMetadata
 from ..model.transformer import Transformer
 from ..progress import Bars
 from ..model.load import Pretrained, load_model
+from .beam import BeamSearch
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .model_runner import Chunk, ModelRunner
@@ -148,6 +150,8 @@ class Engine:
         seq = Sequence(request_id, ids, params, stop_ids, max_len, device=self.runner.device)
         seq.adapter = adapter
         seq.stream = self._new_stream(params)
+        if params.use_beam_search:  # beams are detokenized once, when the search is over
+            seq.beam, seq.stream = BeamSearch(params, max_len - len(ids), stop_ids), OutputStream(None, [])
         if params.structured is not None:
             seq.matcher = self.grammar.matcher(params.structured)
         if self.config.speculative is not None:
@@ -172,15 +176,19 @@ class Engine:
                              "shorten the prompt")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer to detokenize; use stop_token_ids instead")
-        if params.n > self.scheduler.max_num_seqs:
-            raise ValueError(f"n={params.n} completions cannot run at once with max_num_seqs="
-                             f"{self.scheduler.max_num_seqs}; lower n or raise max_num_seqs")
+        if params.num_sequences > self.scheduler.max_num_seqs:
+            what = f"num_beams={params.num_beams} beams" if params.use_beam_search else f"n={params.n} completions"
+            raise ValueError(f"{what} cannot run at once with max_num_seqs="
+                             f"{self.scheduler.max_num_seqs}; lower it or raise max_num_seqs")
         max_len = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
         bs, pool = self.config.block_size, self.block_manager.num_blocks
         need = -(-max(max_len - 1, len(prompt_ids)) // bs)  # the last token is sampled, never written
+        what = "a sequence"
+        if params.use_beam_search:  # in the worst case (each beam recomputed after a preemption) no block is shared
+            need, what = need * params.num_beams, f"a beam search of {params.num_beams} sequences"
         if need > pool:
-            raise ValueError(f"a sequence of {max_len} tokens needs {need} KV blocks but the pool "
-                             f"has {pool}; lower max_tokens or give the engine more KV cache memory")
+            raise ValueError(f"{what} of {max_len} tokens needs {need} KV blocks but the pool has {pool}; lower "
+                             "max_tokens (or num_beams) or give the engine more KV cache memory")
         return max_len
 
     def _new_stream(self, params: SamplingParams) -> OutputStream:
@@ -263,7 +271,7 @@ class Engine:
             self.proposer.observe(chunks, self.runner.hidden)
         self.num_steps += 1
         now = time.perf_counter()
-        rows, seqs, changed = [], [], []
+        rows, seqs, changed, beam_requests = [], [], [], []
         for chunk, offset in zip(chunks, offsets):
             seq = chunk.seq
             if seq.draft is not None:  # a verification: its tokens are known now
@@ -276,6 +284,10 @@ class Engine:
                 self._prompt_logprobs(seq, chunk.start, logits[offset:offset + len(chunk.token_ids)])
                 last = offset + len(chunk.token_ids) - 1
             if chunk.start + len(chunk.token_ids) == seq.num_tokens:  # nothing pending: choose the next token
+                if seq.beam is not None:  # beam search chooses for the whole group at once
+                    seq.beam.rows[seq] = logits[last].clone()
+                    beam_requests.append(seq.request_id)
+                    continue
                 group = [seq] + self._fork(seq)
                 if seq.num_tokens >= seq.max_len:  # max_tokens 0: the prompt was all there was to do
                     for member in group:
@@ -288,6 +300,10 @@ class Engine:
             tokens, logprobs = sample_batch(logits[rows], seqs, self.grammar)
             for seq, token, logprob in zip(seqs, tokens, logprobs):
                 self._append(seq, token, logprob, now)
+        for request_id in dict.fromkeys(beam_requests):
+            beams = self.requests[request_id]
+            if self._advance_beams(beams, now):  # a beam search reports once, when it is over
+                changed.append(beams[0])
         outputs = expired
         for request_id in dict.fromkeys(seq.request_id for seq in changed + seqs):
             out = self._output(self.requests[request_id])
@@ -329,7 +345,7 @@ class Engine:
         for seq in self.scheduler.running:
             p = seq.params
             plain = p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty and \
-                seq.matcher is None
+                seq.matcher is None and seq.beam is None
             room = seq.max_len - seq.num_tokens - 1  # verification adds up to k + 1 tokens
             seq.num_lookahead = min(seq.spec_k, room) if plain and seq.num_pending_tokens == 1 and \
                 not seq.pending_forks else 0
@@ -390,6 +406,38 @@ class Engine:
         self.requests[seq.request_id] += children
         return children
 
+    def _advance_beams(self, beams: list[Sequence], now: float) -> bool:
+        """One beam-search step, once every live beam of the request has its next-token logits: the
+        beams continued more than once are forked (the forks share their blocks), those continued
+        never are released, and each survivor gets its token. True when the search is over."""
+        search = beams[0].beam
+        if any(seq.num_pending_tokens or seq not in search.rows for seq in beams):
+            return False  # a beam of the group is still to be computed (a split batch, a preemption)
+        logits = torch.stack([search.rows.pop(seq) for seq in beams])
+        chosen = search.step([seq.output_ids for seq in beams], logits)
+        if search.first_token_time is None:
+            search.first_token_time = now
+        kept = {parent for parent, _ in chosen}
+        for i, seq in enumerate(beams):
+            if i not in kept:
+                self.scheduler.finish(seq)
+        if search.done:
+            search.finish_time = now
+            return True
+        survivors: list[Sequence] = []
+        for rank, (parent, _) in enumerate(chosen):  # every fork before any token is appended
+            seq = beams[parent]
+            if seq in survivors:
+                seq = seq.fork(rank + 1)
+                seq.stream = OutputStream(None, [])
+                self.scheduler.add_forks(beams[parent], [seq])
+            survivors.append(seq)
+        for seq, (_, token) in zip(survivors, chosen):
+            seq.append_token(token)
+        self.requests[beams[0].request_id] = survivors
+        self.num_generated_tokens += len(survivors)
+        return False
+
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None, now: float) -> None:
         if seq.first_token_time is None:
             seq.first_token_time = now
@@ -411,6 +459,8 @@ class Engine:
 
     def _output(self, seqs: list[Sequence]) -> RequestOutput:
         """A snapshot of a request; the `new_*` fields hold what changed since the previous snapshot."""
+        if seqs[0].beam is not None:
+            return self._beam_output(seqs)
         completions = []
         for seq in seqs:
             stream, ids = seq.stream, seq.output_ids
@@ -423,6 +473,32 @@ class Engine:
                                                 tpot_s=seq.tpot_s))
             stream.sent_tokens, stream.sent_chars = len(ids), len(text)
         head = seqs[0]
+        prompt_logprobs = None
+        if head.params.prompt_logprobs is not None and not head.needs_prompt_logprobs:
+            prompt_logprobs = list(head.prompt_logprobs)
+        return RequestOutput(head.request_id, head.token_ids[:head.num_prompt_tokens], completions,
+                             head.num_cached_tokens, prompt_logprobs)
+
+    def _beam_output(self, beams: list[Sequence]) -> RequestOutput:
+        """A beam search's only report: its n best hypotheses with their scores, or, ended early
+        (aborted, timed out), its live beams as they are."""
+        head, search = beams[0], beams[0].beam
+        if search.done:
+            rows = [(h.token_ids, h.finish_reason, h.score) for h in search.best]
+        else:
+            rows = [(seq.output_ids, seq.finish_reason, None) for seq in beams]
+        first, last = search.first_token_time, search.finish_time
+        completions = []
+        for i, (ids, reason, score) in enumerate(rows):
+            stream = self._new_stream(head.params)
+            for token in ids:
+                stream.push(token)
+            stream.close()
+            ttft = None if first is None else first - head.arrival_time
+            tpot = None if first is None or last is None or len(ids) < 2 else (last - first) / (len(ids) - 1)
+            completions.append(CompletionOutput(i, ids, stream.text, reason, None, new_token_ids=ids,
+                                                new_text=stream.text, queue_s=head.queue_s, ttft_s=ttft,
+                                                tpot_s=tpot, score=score))
         prompt_logprobs = None
         if head.params.prompt_logprobs is not None and not head.needs_prompt_logprobs:
             prompt_logprobs = list(head.prompt_logprobs)

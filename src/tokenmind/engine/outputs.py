@@ -33,6 +33,7 @@ class CompletionOutput:
     queue_s: float | None  # time waiting for the first step
     ttft_s: float | None  # time to first token
     tpot_s: float | None  # mean time per output token after the first
+    score: float | None = None  # beam search: sum of the logprobs / length ** length_penalty (`beam.py`)
 
 
 @dataclass

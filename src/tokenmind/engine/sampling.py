@@ -41,6 +41,15 @@ class SamplingParams:
     logprobs: int | None = None  # None = off; k = the chosen token's logprob plus the top k alternatives
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (from the prefill)
     structured: StructuredOutput | None = None  # a grammar the output must match (`structured.py`)
+    # Beam search (`beam.py`), on when num_beams > 1: the group keeps the num_beams likeliest continuations,
+    # a finished beam scores sum(logprobs) / (output length incl. its stop token) ** length_penalty, and
+    # `early_stopping` ends the search as transformers does (True: once num_beams beams finished; False:
+    # once no live beam can beat the worst finished one at its current length; "never": ... at max_tokens
+    # when length_penalty > 0). The n best finished beams are returned, best first. Deterministic:
+    # temperature and seed do not apply.
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
@@ -71,10 +80,42 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and not 0 <= k <= 20:
                 raise ValueError(f"{name} must be None (off) or in [0, 20], got {k}")
+        if self.num_beams < 1:
+            raise ValueError(f"num_beams must be >= 1 (1 = no beam search), got {self.num_beams}")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping must be True, False or \"never\", got {self.early_stopping!r}")
+        if self.use_beam_search:
+            self._check_beam_search()
+
+    def _check_beam_search(self) -> None:
+        """Beam search ranks continuations by the model's own log-probabilities; settings that would
+        reshape or constrain them, or report per-token detail the group does not keep, are refused."""
+        if self.n > self.num_beams:
+            raise ValueError(f"beam search returns at most num_beams={self.num_beams} beams but n={self.n}; "
+                             "lower n or raise num_beams")
+        if self.max_tokens < 1:
+            raise ValueError("beam search needs max_tokens >= 1; to only score the prompt, drop num_beams")
+        unsupported = {"top_k": self.top_k, "top_p": self.top_p < 1.0, "min_p": self.min_p,
+                       "repetition_penalty": self.repetition_penalty != 1.0, "presence_penalty": self.presence_penalty,
+                       "frequency_penalty": self.frequency_penalty, "stop": self.stop,
+                       "logprobs": self.logprobs is not None, "structured": self.structured is not None}
+        if any(unsupported.values()):
+            names = ", ".join(name for name, on in unsupported.items() if on)
+            raise ValueError(f"beam search (num_beams > 1) does not combine with {names}; drop them, or sample "
+                             "with num_beams=1")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def use_beam_search(self) -> bool:
+        return self.num_beams > 1
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the request runs at once: its beams, else its n completions."""
+        return self.num_beams if self.use_beam_search else self.n
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:

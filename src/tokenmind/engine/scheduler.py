@@ -47,6 +47,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget:
             seq = self.running[i]
+            if not seq.num_pending_tokens:  # a beam waiting for the rest of its group (`beam.py`)
+                i += 1
+                continue
             n = min(seq.num_pending_tokens + seq.num_lookahead, budget)
             if not bm.can_append(seq, n):
                 n = min(seq.num_pending_tokens, budget)  # no room for drafts: decode plainly

@@ -29,8 +29,10 @@ class Sequence:
     """A prompt plus its output tokens, with its cache state and per-request sampling state.
 
     `token_ids` is prompt + output. The last token is always pending (its k/v is computed in the
-    step that samples after it), so a running sequence has `num_computed_tokens < num_tokens`.
-    `pending_forks` counts the siblings still to be split off when the prompt is done (n > 1).
+    step that samples after it), so a running sequence has `num_computed_tokens < num_tokens`; only a
+    beam whose group is split over steps waits with nothing pending until its group mates catch up.
+    `pending_forks` counts the siblings still to be split off when the prompt is done (n > 1, or the
+    beams of a beam search: `beam` is the request's `BeamSearch`, shared by its beams).
     """
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, stop_ids: set[int],
@@ -47,10 +49,11 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at the last allocation
         seed = None if params.seed is None else params.seed + index
         self.generator = make_generator(seed, device)
-        self.pending_forks = params.n - 1 if index == 0 else 0
+        self.pending_forks = params.num_sequences - 1 if index == 0 else 0
         self.logprobs: list[TokenLogprob] = []
         # log P(prompt token i | tokens < i) as the prefill computes them; token 0 has none
         self.prompt_logprobs = [TokenLogprob(self.token_ids[0], None, None)] if prompt_ids else []
+        self.beam: Any = None  # the request's `BeamSearch` when it is a beam search
         self.matcher: Any = None  # the llguidance matcher of a structured-output request (`structured.py`)
         self.finish_reason: str | None = None
         self.stream: Any = None  # the engine's output state: detokenizer, stop strings, what was reported
@@ -113,7 +116,8 @@ class Sequence:
         child.num_prompt_tokens = self.num_prompt_tokens
         child.num_computed_tokens, child.num_cached_tokens = self.num_computed_tokens, self.num_cached_tokens
         child.status, child.first_scheduled_time = self.status, self.first_scheduled_time
-        child.adapter = self.adapter
+        child.adapter, child.beam = self.adapter, self.beam
+        child.prompt_logprobs = list(self.prompt_logprobs)
         child.matcher = None if self.matcher is None else self.matcher.deep_copy()
         return child
 

@@ -1,9 +1,9 @@
-"""Sample N, score, keep the best: best-of-N at inference, rejection sampling and RAFT for training.
+"""Sample N, then pick: best-of-N and self-consistency at inference, rejection sampling and RAFT for training.
 
-All three start the same way: every prompt goes to the paged engine once with `SamplingParams(n=N)`,
-so its N completions are forked siblings that share the prompt's KV blocks (the prompt is computed
-once, not N times) and are seeded seed, seed+1, ..., so they differ yet reproduce. A scorer then
-rates each completion:
+All four start the same way (`sample_candidates`): every prompt goes to the paged engine once with
+`SamplingParams(n=N)`, so its N completions are forked siblings that share the prompt's KV blocks
+(the prompt is computed once, not N times) and are seeded seed, seed+1, ..., so they differ yet
+reproduce. A scorer then rates each completion (self-consistency instead lets them vote):
 
 * a reward function, `(prompt, completion, **meta) -> float` (the verifiers of `tasks.py`), called
   one sample at a time with the item's fields as `meta`; or
@@ -15,6 +15,10 @@ Then:
 
 * best-of-N (`best_of_n`) returns every candidate with its score and picks the highest (the first
   of equals): more compute at inference for a better answer, no training;
+* self-consistency (`self_consistency`, Wang et al. 2022) needs no scorer that knows the answer:
+  it extracts each candidate's final answer (`tasks.ANSWER_EXTRACTORS`) and returns the most
+  frequent one with its share of the votes, on the bet that right reasoning paths agree more
+  often than wrong ones;
 * rejection sampling (`rejection_sample`) keeps the best completion of each prompt when its score
   reaches a threshold, as chat JSONL that `tokenmind sft` trains on, reports the acceptance rate,
   and turns the same samples into preference pairs (the best against the worst, where the scorer
@@ -32,12 +36,14 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.llm import LLM
+from ..engine.outputs import RequestOutput
 from ..engine.sampling import SamplingParams
 from ..model.load import Pretrained
 from ..jsonl import write_json, write_jsonl
 from .pairs import EvalFilter, as_messages, preference_pair, unpaired
 from .rewards import item_fields, load_scorer, score
 from .sft import load_sft_config, sft
+from .tasks import get_answer_extractor
 
 Item = dict[str, Any]  # {"prompt": chat or text, "id"?, **meta}; meta goes to reward functions
 
@@ -62,9 +68,30 @@ class Ranked:
         return min(range(len(self.scores)), key=lambda i: (self.scores[i], i))
 
 
-def best_of_n(llm: LLM, items: Sequence[Item], scorer: Any, n: int, params: SamplingParams | None = None,
-              seed: int | None = 0, progress: bool | None = None) -> list[Ranked]:
-    """Sample `n` completions of each item's prompt and score them; the result's `.best` is the pick.
+@dataclass
+class Vote:
+    """One prompt's N candidates (in sampling order), the answer extracted from each (None where it
+    gives none) and the majority."""
+
+    item: Item
+    texts: list[str]
+    answers: list[str | None]
+
+    @property
+    def answer(self) -> str | None:
+        """The most frequent answer (of equals, the one given first); None if no candidate gave one."""
+        given = [a for a in self.answers if a is not None]
+        return max(given, key=lambda a: (given.count(a), -given.index(a)), default=None)
+
+    @property
+    def share(self) -> float:
+        """The majority's votes over all N candidates (those without an answer count against it)."""
+        return self.answers.count(self.answer) / len(self.answers) if self.answer is not None else 0.0
+
+
+def sample_candidates(llm: LLM, items: Sequence[Item], n: int, params: SamplingParams | None = None,
+                      seed: int | None = 0, progress: bool | None = None) -> list[RequestOutput]:
+    """Sample `n` completions of each item's prompt: one request of n siblings per prompt, in item order.
 
     params: how to sample (its `n` and `seed` are set here); sampling must be random, or the n
         candidates are all the same. seed: prompt i's candidates use seeds seed·1,000,003 + i·n + j,
@@ -74,9 +101,9 @@ def best_of_n(llm: LLM, items: Sequence[Item], scorer: Any, n: int, params: Samp
     continued as plain text."""
     params = params or SamplingParams(temperature=0.8, top_p=0.95)
     if n < 1:
-        raise ValueError(f"best-of-N needs n >= 1, got {n}")
+        raise ValueError(f"sampling N candidates needs n >= 1, got {n}")
     if n > 1 and params.greedy:
-        raise ValueError("best-of-N with temperature 0 samples the same completion N times; sample with a "
+        raise ValueError("temperature 0 samples the same completion N times; sample with a "
                          "temperature > 0 (e.g. 0.8; on the command line --temperature 0.8)")
     if n > llm.engine.scheduler.max_num_seqs:
         raise ValueError(f"n={n} candidates must run together but the engine runs at most max_num_seqs="
@@ -85,7 +112,14 @@ def best_of_n(llm: LLM, items: Sequence[Item], scorer: Any, n: int, params: Samp
            if isinstance(it["prompt"], list) else llm.tokenizer.encode_prompt(it["prompt"]) for it in items]
     per_prompt = [dataclasses.replace(params, n=n, seed=None if seed is None else seed * 1_000_003 + i * n)
                   for i in range(len(items))]
-    outputs = llm.generate(ids, per_prompt, progress=progress)
+    return llm.generate(ids, per_prompt, progress=progress)
+
+
+def best_of_n(llm: LLM, items: Sequence[Item], scorer: Any, n: int, params: SamplingParams | None = None,
+              seed: int | None = 0, progress: bool | None = None) -> list[Ranked]:
+    """Sample `n` completions of each item's prompt (`sample_candidates`) and score them; the
+    result's `.best` is the pick."""
+    outputs = sample_candidates(llm, items, n, params, seed, progress)
     prompts, texts, metas = [], [], []
     for item, out in zip(items, outputs):
         for c in out.outputs:
@@ -97,16 +131,44 @@ def best_of_n(llm: LLM, items: Sequence[Item], scorer: Any, n: int, params: Samp
                    [c.finish_reason for c in out.outputs]) for i, (item, out) in enumerate(zip(items, outputs))]
 
 
+def self_consistency(llm: LLM, items: Sequence[Item], n: int, extract: str | Callable[[str], str | None] = "numeric",
+                     params: SamplingParams | None = None, seed: int | None = 0,
+                     progress: bool | None = None) -> list[Vote]:
+    """Sample `n` completions of each item's prompt (`sample_candidates`) and vote: `extract` names
+    an answer extractor of `tasks.py` ("numeric", "choice") or is one (text → answer or None); the
+    result's `.answer` is the majority, `.share` its share of the n votes."""
+    extract = get_answer_extractor(extract) if isinstance(extract, str) else extract
+    outputs = sample_candidates(llm, items, n, params, seed, progress)
+    votes = []
+    for item, out in zip(items, outputs):
+        texts = [c.text.strip() for c in out.outputs]
+        votes.append(Vote(item, texts, [extract(t) for t in texts]))
+    return votes
+
+
+def _one_prompt(model: Pretrained, prompt: str, n: int, chat: bool, meta: dict[str, Any] | None) -> tuple[LLM, Item]:
+    """An engine for n candidates of one prompt, and the prompt as an item: a user turn with the
+    chat template when `chat`, else plain text to continue; `meta` its other fields."""
+    llm = LLM(model, max_num_seqs=n, max_num_batched_tokens=max(2048, n))
+    return llm, {"prompt": as_messages(prompt) if chat else prompt, **(meta or {})}
+
+
 def best_of_prompt(model: Pretrained, prompt: str, n: int, scorer: str | Any, params: SamplingParams,
                    chat: bool = False, meta: dict[str, Any] | None = None) -> Ranked:
-    """Best-of-`n` for one prompt (what `tokenmind generate --best-of N` runs): `prompt` as a user
-    turn with the chat template when `chat`, else continued as plain text; `scorer` a spec for
+    """Best-of-`n` for one prompt (what `tokenmind generate --best-of N` runs): `scorer` a spec for
     `load_scorer` or a scorer; `meta` the fields the scorer reads (the gold `answer`, ...); the seed
     is `params.seed`."""
     scorer = load_scorer(scorer) if isinstance(scorer, str) else scorer
-    llm = LLM(model, max_num_seqs=n, max_num_batched_tokens=max(2048, n))
-    item = {"prompt": as_messages(prompt) if chat else prompt, **(meta or {})}
+    llm, item = _one_prompt(model, prompt, n, chat, meta)
     return best_of_n(llm, [item], scorer, n, params, params.seed, progress=False)[0]
+
+
+def self_consistency_prompt(model: Pretrained, prompt: str, n: int, extract: str, params: SamplingParams,
+                            chat: bool = False) -> Vote:
+    """Self-consistency over `n` samples of one prompt (what `tokenmind generate --self-consistency N`
+    runs); the seed is `params.seed`."""
+    llm, item = _one_prompt(model, prompt, n, chat, None)
+    return self_consistency(llm, [item], n, extract, params, params.seed, progress=False)[0]
 
 
 def accepted(r: Ranked, threshold: float, accept_truncated: bool = False) -> bool:

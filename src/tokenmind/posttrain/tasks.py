@@ -32,7 +32,8 @@ must catch: a wrong result in step k, carried through the later steps, with exac
 `stepwise_examples` packs both kinds as TRL's stepwise-supervision records for a process reward model.
 
 Answer checkers: `extract_answer` (GSM8K's `#### N`, an `Answer:` line, "the answer is N", else the
-last number), `numbers_equal`, `extract_choice` (a multiple-choice letter). reasoning-gym's
+last number), `numbers_equal`, `extract_choice` (a multiple-choice letter); `ANSWER_EXTRACTORS`
+names the extractors whose answers self-consistency votes on. reasoning-gym's
 generators (an optional dependency) come through `reasoning_gym_items`; its `gsm_symbolic` is refused
 because it rewrites GSM8K test items.
 """
@@ -389,6 +390,24 @@ def multistep_reward(prompt: Prompt, completion: str, expression: str | None = N
 
 
 VERIFIERS: dict[str, Reward] = {"numeric": numeric_reward, "choice": choice_reward, "multistep": multistep_reward}
+
+
+def numeric_answer(text: str) -> str | None:
+    """The completion's final answer (`extract_answer`) as a canonical number, so equal numbers compare
+    equal as strings ("1,000.0" → "1000", "0.50" → "1/2"); None if it gives none."""
+    got = extract_answer(text)
+    value = None if got is None else parse_number(got)
+    return None if value is None else str(value)
+
+
+# the final answer of a completion in a form where equal answers are equal strings (self-consistency votes on it)
+ANSWER_EXTRACTORS: dict[str, Callable[[str], str | None]] = {"numeric": numeric_answer, "choice": extract_choice}
+
+
+def get_answer_extractor(name: str) -> Callable[[str], str | None]:
+    if name not in ANSWER_EXTRACTORS:
+        raise ValueError(f"unknown answer kind {name!r}; choose one of {', '.join(ANSWER_EXTRACTORS)}")
+    return ANSWER_EXTRACTORS[name]
 
 
 def get_verifier(name: str) -> Reward:
