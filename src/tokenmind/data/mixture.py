@@ -10,8 +10,8 @@ when the source it next needs runs out, so the source smallest relative to its w
 size of the whole. A weight of 0 leaves a source out.
 
 Sources are the pipeline's inputs (a file or folder each, as `Document.source` names them); a
-weight's key is the input as given or its name without the extension (`austen` for
-`data/pretrain/austen.jsonl`).
+weight's key is the input as given, its file or folder name, or that name without the extension
+(`austen` for `data/pretrain/austen.jsonl`).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ def mixture_weights(inputs: Sequence[str | Path], weights: Mapping[str, float]) 
     """One weight per input, normalised to sum to 1; ValueError naming the problem for bad weights."""
     keys = {str(source): i for i, source in enumerate(inputs)}
     for i, source in enumerate(inputs):
+        keys.setdefault(Path(source).name, i)
         keys.setdefault(source_name(source), i)
     found: list[float | None] = [None] * len(inputs)
     for key, weight in weights.items():
