@@ -96,6 +96,11 @@ def cmd_generate(args) -> None:
         raise ValueError("--chat, --answer, --meta and --verbose go with --best-of N; add --best-of N")
     if args.best_of and (args.speculative or args.echo):
         raise ValueError("--best-of prints whole candidates, without --speculative or --echo; drop those")
+    if args.fim and (args.prompt is not None or args.best_of or args.prefix is None or args.suffix is None):
+        raise ValueError("--fim fills the gap between --prefix TEXT and --suffix TEXT (either may be ''), without "
+                         "PROMPT or --best-of")
+    if not args.fim and (args.prompt is None or args.prefix is not None or args.suffix is not None):
+        raise ValueError("give the PROMPT to continue; --prefix and --suffix go with --fim")
     pretrained = _load(args)
     if args.best_of:
         from .posttrain.sampling import best_of_prompt
@@ -113,13 +118,18 @@ def cmd_generate(args) -> None:
               file=sys.stderr)
         return
     llm = interactive_llm(pretrained, args.speculative)
+    tokenizer, params = pretrained.tokenizer, _sampling_params(args)
     if args.echo:
-        print(args.prompt, end="", flush=True)
-    prompt = pretrained.tokenizer.encode_prompt(args.prompt)
+        print(args.prefix if args.fim else args.prompt, end="", flush=True)
+    if args.fim:  # the model writes the middle; --echo shows it in place, between prefix and suffix
+        prompt = tokenizer.encode_infill(args.prefix, args.suffix)
+        params.stop_token_ids = tokenizer.infill_stop_token_ids
+    else:
+        prompt = tokenizer.encode_prompt(args.prompt)
     timing = StreamStats(len(prompt))
-    for out in llm.stream(prompt, _sampling_params(args)):
+    for out in llm.stream(prompt, params):
         print(timing.observe(out).new_text, end="", flush=True)
-    print()
+    print(args.suffix if args.fim and args.echo else "")
     n, dt = timing.tokens, timing.end - timing.start
     stats = llm.engine.stats()
     spec = (f", {stats.acceptance_rate:.0%} of drafts accepted, {n / max(stats.num_steps, 1):.2f} tokens/step"
@@ -603,8 +613,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(p, max_tokens=64)
     _add_speculative_args(p)
     _add_stats_arg(p)
-    p.add_argument("prompt", help="the text to continue")
+    p.add_argument("prompt", nargs="?", help="the text to continue")
     p.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
+    g = p.add_argument_group("fill-in-the-middle", "write the code between a prefix and a suffix (models trained "
+                                                   "with FIM tokens: `data prepare --fim-rate`, Qwen2.5-Coder)")
+    g.add_argument("--fim", action="store_true", help="print the middle between --prefix and --suffix")
+    g.add_argument("--prefix", default=None, help="the text before the gap")
+    g.add_argument("--suffix", default=None, help="the text after the gap")
     g = p.add_argument_group("best-of-N", "sample N completions, score each, print the best (needs --temperature > 0)")
     g.add_argument("--best-of", type=int, default=0, metavar="N", help="candidates to sample and score")
     g.add_argument("--scorer", default="verifier:numeric", metavar="SPEC",
