@@ -22,17 +22,21 @@ from .loglik import loglikelihoods
 Example = dict[str, str]  # prefix, middle, suffix
 
 
-def line_infill_examples(texts: Sequence[str], per_text: int = 1, seed: int = 0, min_chars: int = 8) -> list[Example]:
+def line_infill_examples(texts: Sequence[str], per_text: int = 1, seed: int = 0, min_chars: int = 8,
+                         context_lines: int | None = None) -> list[Example]:
     """Up to `per_text` examples per text, each hiding a line of at least `min_chars` non-blank
-    characters chosen with a seeded generator."""
+    characters chosen with a seeded generator; `context_lines` keeps only that many lines on each
+    side (a small model's window cannot hold a whole module)."""
     rng = random.Random(seed)
     examples = []
     for text in texts:
         lines = text.split("\n")
         candidates = [i for i, line in enumerate(lines) if len(line.strip()) >= min_chars]
         for i in sorted(rng.sample(candidates, min(per_text, len(candidates)))):
-            examples.append({"prefix": "".join(line + "\n" for line in lines[:i]), "middle": lines[i],
-                             "suffix": "\n" + "\n".join(lines[i + 1:])})
+            before = lines[:i] if context_lines is None else lines[max(0, i - context_lines):i]
+            after = lines[i + 1:] if context_lines is None else lines[i + 1:i + 1 + context_lines]
+            examples.append({"prefix": "".join(line + "\n" for line in before), "middle": lines[i],
+                             "suffix": "\n" + "\n".join(after)})
     return examples
 
 
