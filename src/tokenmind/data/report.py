@@ -63,10 +63,25 @@ def stages_table(stages: Sequence[dict[str, Any]], title: str = "Data pipeline")
     return table
 
 
+def sources_table(sources: dict[str, Any]) -> Table:
+    """A rich table of what each source contributed (the report's `sources`), with the weight asked for."""
+    table = Table(title="Sources" + (f" (the mix ended when {sources['ended_by']} ran out)"
+                                     if sources.get("ended_by") else ""))
+    table.add_column("source", overflow="fold")
+    for column in ("weight", "docs", "tokens", "% tokens"):
+        table.add_column(column, justify="right")
+    for name, row in sources["sources"].items():
+        weight = "-" if row["weight"] is None else f"{100.0 * row['weight']:.1f}%"
+        table.add_row(name, weight, f"{row['documents']:,}", f"{row['tokens']:,}", f"{100.0 * row['fraction']:.1f}%")
+    return table
+
+
 def print_report(report: dict[str, Any], console: Console | None = None) -> None:
     """Print a pipeline report (the dict `run_pipeline` returns, or a loaded report.json)."""
     console = console or Console()
     console.print(stages_table(report["stages"]))
+    if "sources" in report:
+        console.print(sources_table(report["sources"]))
     output = report["output"]
     splits = ", ".join(
         f"{name}: {split['documents']:,} docs / {split['tokens']:,} tokens"

@@ -183,7 +183,13 @@ class ShardWriter:
         self._held_back: deque[np.ndarray] = deque()  # the stream's tail, for val_tokens
         self._held_back_tokens = 0
         self._last_train: np.ndarray | None = None  # for val_fraction: val's fallback document
+        self._description: dict[str, Any] = {}
         self.manifest: dict[str, Any] | None = None  # set by close()
+
+    def describe(self, **fields: Any) -> None:
+        """More manifest fields, about how the documents were made (the pipeline records each source's
+        tokens and the fill-in-the-middle settings), written with the manifest at close."""
+        self._description.update(fields)
 
     def add(self, tokens: Any) -> None:
         """Append one document's token ids (eos is appended here, not by the caller)."""
@@ -239,6 +245,7 @@ class ShardWriter:
             "total_tokens": sum(split["tokens"] for split in splits.values()),
             "documents": sum(split["documents"] for split in splits.values()),
             "splits": {name: split for name, split in splits.items() if split["shards"]},
+            **self._description,
         }
         temporary = self.root / f"{MANIFEST_NAME}.tmp"
         temporary.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")

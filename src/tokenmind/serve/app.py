@@ -33,6 +33,7 @@ from pydantic import BaseModel, ValidationError
 
 from ..engine.async_engine import AsyncEngine, EngineFailed, EngineStopped
 from ..engine.sampling import SamplingParams
+from ..data.fim import find_fim_tokens, infill_prompt
 from ..engine.structured import StructuredOutput
 from ..model.load import Pretrained, load_model
 from ..model.encoder import SentenceEncoder, load_encoder
@@ -200,7 +201,15 @@ class Service:
             return None
         return [p if isinstance(p, str) else self.tokenizer.decode(ids) for p, ids in zip(body.prompts(), prompts)]
 
-    def completion_prompt(self, prompt: str | list[int]) -> list[int]:
+    def completion_prompt(self, prompt: str | list[int], suffix: str | None = None) -> list[int]:
+        if suffix:  # fill-in-the-middle: the prompt is the prefix
+            tokens = find_fim_tokens(self.tokenizer)
+            if tokens is None:
+                raise APIError(400, "this model has no fill-in-the-middle tokens, so it cannot complete between a "
+                                    "prompt and a suffix; leave suffix out, or serve a model trained with FIM",
+                               param="suffix")
+            prefix = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+            return infill_prompt(prefix, self.tokenizer.encode(suffix), tokens)
         if not isinstance(prompt, str):
             return prompt
         ids = self.tokenizer.encode(prompt, add_special_tokens=True)
@@ -236,13 +245,15 @@ class Service:
             tools = self.tool_format if body.tool_dicts() else None
             fmt: ResponseFormat = ChatFormat(body.model, self.tokenizer, body.include_usage, tools)
         else:
-            prompts, param = [self.completion_prompt(p) for p in body.prompts()], "prompt"
+            prompts, param = [self.completion_prompt(p, body.suffix) for p in body.prompts()], "prompt"
             fmt = CompletionFormat(body.model, self.tokenizer, body.include_usage)
         structured, structured_param = self.structured_output(body)
         try:
             params = body.sampling_params(self.max_tokens(body, prompts, param), structured)
         except ValueError as e:
             raise APIError(400, str(e)) from e
+        if isinstance(body, CompletionRequest) and body.suffix:
+            params.stop_token_ids = self.tokenizer.infill_stop_token_ids
         if structured is not None:  # compiled here, on this worker thread; the engine finds it cached
             try:
                 self.ready().grammar.matcher(structured)

@@ -29,7 +29,7 @@ FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]  # OpenAI
 # OpenAI fields this server does not implement, with the values that ask for nothing: any other
 # value is refused (400 naming the field) rather than silently ignored.
 UNSUPPORTED = {"functions": (None, []), "function_call": (None, "none"), "logit_bias": (None, {}),
-               "suffix": (None, ""), "best_of": (None, 1)}
+               "best_of": (None, 1)}
 
 
 class JSONSchemaFormat(BaseModel):
@@ -100,7 +100,6 @@ class SamplingRequest(BaseModel):
     functions: Any = None
     function_call: Any = None
     logit_bias: Any = None
-    suffix: Any = None
     best_of: Any = None
 
     @field_validator(*UNSUPPORTED)
@@ -153,6 +152,13 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = Field(None, ge=0)  # 0 (with echo): score the prompt, generate nothing
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # top alternatives per token
     echo: bool = False  # the prompt comes back before the completion (its tokens' logprobs too, with logprobs)
+    suffix: str | None = None  # text after the gap: the completion is the middle (fill-in-the-middle); "" = none
+
+    @model_validator(mode="after")
+    def _suffix_without_echo(self) -> CompletionRequest:
+        if self.suffix and self.echo:
+            raise ValueError("echo cannot be combined with suffix (the completion is a middle, not a continuation)")
+        return self
 
     @field_validator("prompt")
     @classmethod

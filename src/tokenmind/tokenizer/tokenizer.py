@@ -16,6 +16,7 @@ from typing import Any
 from tokenizers import Tokenizer as Backend
 from tokenizers import processors
 
+from tokenmind.data.fim import find_fim_tokens, infill_prompt, require_fim_tokens
 from tokenmind.jsonl import read_json_or_empty
 from tokenmind.tokenizer.chat_template import ChatTemplateError, render_chat, render_template
 from tokenmind.tokenizer.gguf_backend import GGUFTokenizer, build_backend
@@ -160,6 +161,20 @@ class Tokenizer:
                 raise ValueError("the prompt is empty and the tokenizer has no BOS token to start from; give a prompt")
             ids = [self.bos_token_id]
         return ids
+
+    def encode_infill(self, prefix: str, suffix: str) -> list[int]:
+        """The fill-in-the-middle prompt (PSM, `data/fim.py`) whose continuation is the text between
+        `prefix` and `suffix`, each encoded alone as FIM training encodes them; ValueError naming the
+        fix when this tokenizer has no FIM tokens."""
+        return infill_prompt(self.encode(prefix), self.encode(suffix), require_fim_tokens(self))
+
+    @property
+    def infill_stop_token_ids(self) -> list[int]:
+        """Ids that end a middle besides eos: another sentinel, or `<|endoftext|>` (Qwen2.5-Coder ends its
+        middles there while its eos is `<|im_end|>`)."""
+        ids = list(find_fim_tokens(self) or ())
+        end_of_text = self.token_to_id("<|endoftext|>")
+        return ids + ([end_of_text] if end_of_text is not None else [])
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
         """`encode` for many texts, parallelised by the Rust backend."""

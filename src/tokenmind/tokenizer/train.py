@@ -29,6 +29,7 @@ from typing import Any, Protocol
 from tokenizers import Regex, decoders, models, pre_tokenizers, processors, trainers
 from tokenizers import Tokenizer as Backend
 
+from tokenmind.data.fim import FIM_TOKENS
 from tokenmind.tokenizer.tokenizer import Tokenizer
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -186,6 +187,8 @@ class TokenizerTrainConfig:
     max_chars: stop reading the corpus once this many training characters are read (0 = all).
     heldout_every: every n-th document read (chosen by a hash of its id, so stable across runs)
         is held out of training to measure bytes per token, up to max_heldout_chars; 0 = none.
+    fim: also reserve the fill-in-the-middle sentinels (`<fim_prefix>`, `<fim_suffix>`,
+        `<fim_middle>`) as special tokens, after `special_tokens`, for `data.fim`.
     """
 
     data: list[str] = field(default_factory=list)
@@ -196,6 +199,7 @@ class TokenizerTrainConfig:
     max_chars: int = 0
     heldout_every: int = 50
     max_heldout_chars: int = 2_000_000
+    fim: bool = False
 
     def __post_init__(self) -> None:
         if not self.data:
@@ -227,7 +231,8 @@ def train_tokenizer(cfg: TokenizerTrainConfig, reference: _Encoder | None = None
             yield doc.text
 
     t0 = time.perf_counter()
-    tokenizer = train_bpe(training_texts(), cfg.vocab_size, cfg.special_tokens, cfg.min_frequency)
+    special_tokens = [*cfg.special_tokens, *(FIM_TOKENS if cfg.fim else ())]
+    tokenizer = train_bpe(training_texts(), cfg.vocab_size, special_tokens, cfg.min_frequency)
     report: dict[str, Any] = {"config": asdict(cfg), **stats, "seconds": time.perf_counter() - t0,
                               "vocab_size": tokenizer.vocab_size}  # fmt: skip
     tokenizer.save(cfg.out)
