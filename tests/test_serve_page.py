@@ -248,3 +248,44 @@ def test_chat_page_rerenders_a_growing_reply_with_an_open_code_fence(browser, se
     page.wait_for_function("document.querySelector('.message.assistant').dataset.finish === 'stop'")
     assert reply.inner_text() == "ok" and page.evaluate("window.__xss") is None
     page.close()
+
+
+def test_image_page_generates_the_picked_class_and_shows_hostile_data_as_text(browser, tmp_path):
+    from test_serve_images import save_tiny_dit
+
+    with LiveServer(None, model=str(save_tiny_dit(tmp_path / "dit-fashion"))) as live:
+        page = browser.new_page()
+        page.set_default_timeout(20_000)
+        page.goto(live.url + "/")
+        page.wait_for_function("document.querySelectorAll('#class option').length === 10")
+        assert page.inner_text("#model") == "dit-fashion (28x28)"
+        page.select_option("#class", "sneaker")
+        page.fill("#n", "2")
+        page.fill("#steps", "2")
+        with page.expect_request("**/v1/images/generations") as request:
+            page.click("#generate")
+        assert request.value.post_data_json["prompt"] == "sneaker" and request.value.post_data_json["n"] == 2
+        page.wait_for_function("document.querySelectorAll('.image-row img').length === 2")
+        sizes = page.eval_on_selector_all(".image-row img", "els => els.map(e => [e.naturalWidth, e.naturalHeight])")
+        assert sizes == [[28, 28], [28, 28]]
+        assert "2 images" in page.inner_text("#status")
+
+        page.eval_on_selector("#n", "el => el.removeAttribute('max')")  # past the form's own check
+        page.fill("#n", "99")  # the server's 400 is shown, and the page stays usable
+        page.click("#generate")
+        page.wait_for_function("document.getElementById('status').textContent.startsWith('error')")
+        assert "at most 16 images" in page.inner_text("#status")
+
+        # a hostile server: markup in class names and image data is shown as text or dropped, never run
+        hostile = '<img src=x onerror="window.__xss=1">'
+        card = {"id": hostile, "size": "28x28", "classes": [hostile], "max_images": 4}
+        page.route("**/v1/models", lambda route: route.fulfill(json={"data": [card]}))
+        page.route("**/v1/images/generations", lambda route: route.fulfill(
+            json={"created": 0, "data": [{"b64_json": '" onerror="window.__xss=2'}]}))
+        page.reload()
+        page.wait_for_function("document.querySelectorAll('#class option').length === 1")
+        page.click("#generate")
+        page.wait_for_function("document.getElementById('status').textContent.startsWith('0 images')")
+        assert page.inner_text("#model").startswith(hostile)
+        assert page.evaluate("window.__xss") is None and page.locator("img[src=x]").count() == 0
+        page.close()

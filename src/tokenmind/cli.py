@@ -790,7 +790,9 @@ def build_parser() -> argparse.ArgumentParser:
                        argument_default=argparse.SUPPRESS,
                        description="Serve /v1/chat/completions (tools, response_format), /v1/completions (echo, "
                                    "logprobs), /v1/embeddings, /v1/models (streaming or not), /tokenize, "
-                                   "/detokenize, /health, /metrics and a chat page at /. Binds 127.0.0.1 unless "
+                                   "/detokenize, /health, /metrics and a chat page at /; or, given a `tokenmind "
+                                   "diffusion train` run, /v1/images/generations and an image page. Binds "
+                                   "127.0.0.1 unless "
                                    "told otherwise. "
                                    "Settings come from the flags below, over a --config YAML file, over the "
                                    "defaults.",
@@ -836,6 +838,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-parser", choices=["hermes", "json", "generic"],
                    help="how replies call tools (default: chosen from the chat template: <tool_call> tags → "
                         "hermes, other tool-aware templates → json, none → generic)")
+    p.add_argument("--max-images", type=int, metavar="N",
+                   help="a diffusion run's most images per /v1/images/generations request (default 16)")
     p.add_argument("--log-level")
     p.set_defaults(func=cmd_serve)
 

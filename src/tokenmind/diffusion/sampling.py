@@ -10,7 +10,9 @@ class), which costs less than two passes of B rows on every device.
 
 from __future__ import annotations
 
+import io
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -83,12 +85,17 @@ def sample(model: nn.Module, scheduler: Scheduler, shape: tuple[int, ...], class
     return x
 
 
+def to_pixels(images: torch.Tensor) -> np.ndarray:
+    """(B, C, H, W) in [−1, 1] → uint8 (B, H, W, C)."""
+    return ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+
+
 def image_grid(images: torch.Tensor, nrow: int | None = None) -> np.ndarray:
     """(B, C, H, W) in [−1, 1] → one uint8 (rows·H + gaps, cols·W + gaps[, 3]) picture, 2-pixel gaps."""
     b, c, h, w = images.shape
     nrow = nrow or math.ceil(math.sqrt(b))
     ncol = math.ceil(b / nrow)
-    pixels = ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    pixels = to_pixels(images)
     grid = np.zeros((ncol * (h + 2) + 2, nrow * (w + 2) + 2, c), dtype=np.uint8)
     for i, img in enumerate(pixels):
         r, col = divmod(i, nrow)
@@ -111,11 +118,25 @@ def save_grid(images: torch.Tensor, path: str | Path, nrow: int | None = None, s
     return path
 
 
+def encode_png(images: torch.Tensor) -> list[bytes]:
+    """Each image of (B, C, H, W) in [−1, 1] as the bytes of its own H×W PNG file (grey or RGB)."""
+    from PIL import Image
+
+    pictures = []
+    for pixels in to_pixels(images):
+        buffer = io.BytesIO()
+        Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels).save(buffer, format="PNG")
+        pictures.append(buffer.getvalue())
+    return pictures
+
+
 def class_label(cfg: DiffusionConfig, name: str) -> int:
-    """The label of a class name (or its index as text) in the run's data set."""
+    """The label of a class name (or its index as text) in the run's data set. Names match
+    case-insensitively, with spaces or underscores for hyphens ("Ankle boot" is ankle-boot)."""
     names = class_names(cfg.data.dataset)
-    if name in names:
-        return names.index(name)
+    key = re.sub(r"[\s_]+", "-", name.strip().lower())
+    if key in names:
+        return names.index(key)
     if name.isdigit() and int(name) < len(names):
         return int(name)
     raise ValueError(f"unknown class {name!r} for {cfg.data.dataset}; choose one of {', '.join(names)}")

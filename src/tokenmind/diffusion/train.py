@@ -115,16 +115,27 @@ def save_diffusion_model(state: dict[str, torch.Tensor], cfg: DiffusionConfig, p
     return Path(path)
 
 
+def diffusion_model_dir(path: str | Path) -> Path | None:
+    """The folder holding a trained diffusion model (a run folder's `final/`, or `path` itself), or
+    None when `path` holds none; its config.json has a `diffusion` section, which an HF model's lacks."""
+    for folder in (Path(path), Path(path) / "final"):
+        config = folder / "config.json"
+        if config.is_file() and (folder / "model.safetensors").is_file():
+            with contextlib.suppress(ValueError, UnicodeDecodeError):
+                saved = json.loads(config.read_text(encoding="utf-8"))
+                if isinstance(saved, dict) and isinstance(saved.get("diffusion"), dict):
+                    return folder
+    return None
+
+
 def load_diffusion_model(path: str | Path, model_factory: ModelFactory | None = None,
                          device: str | torch.device = "cpu") -> tuple[nn.Module, DiffusionConfig]:
     """(model in eval mode, its run config) from a run folder or its `final/` export."""
-    path = Path(path)
-    if not (path / "config.json").is_file() and (path / "final" / "config.json").is_file():
-        path = path / "final"
-    if not (path / "model.safetensors").is_file() or not (path / "config.json").is_file():
+    found = diffusion_model_dir(path)
+    if found is None:
         raise FileNotFoundError(f"{path} holds no trained diffusion model (model.safetensors + config.json); "
                                 "pass the run folder of `tokenmind diffusion train` or its final/ folder")
-    cfg = load_config(path / "config.json")  # JSON is YAML
+    cfg = load_config(found / "config.json")  # JSON is YAML
     model = (model_factory or build_model)(cfg)
-    model.load_state_dict(load_file(str(path / "model.safetensors")))
+    model.load_state_dict(load_file(str(found / "model.safetensors")))
     return model.to(device).eval(), cfg

@@ -476,7 +476,7 @@ def build_app(config: ServeConfig, pretrained: Pretrained | None = None) -> Fast
                   docs_url=None, redoc_url=None)  # the docs pages load from a CDN; /openapi.json stays
     app.state.service = service
     install_error_handlers(app)
-    _install_guards(app, config, service, pretrained.model.cfg.max_position_embeddings)
+    install_guards(app, config, service.metrics, pretrained.model.cfg.max_position_embeddings)
 
     @app.get("/health", responses={503: {"description": "starting, shutting down, stuck or failed (the body says)"}})
     async def health() -> JSONResponse:
@@ -552,7 +552,7 @@ def build_app(config: ServeConfig, pretrained: Pretrained | None = None) -> Fast
     return app
 
 
-def _install_guards(app: FastAPI, config: ServeConfig, service: Service, model_context: int) -> None:
+def install_guards(app: FastAPI, config: ServeConfig, metrics: Metrics, model_context: int) -> None:
     """Middleware, innermost first: API key, CORS, body limit, trusted hosts, metrics (outermost: it
     also counts the requests the others refuse)."""
     if config.api_key is not None:
@@ -565,7 +565,7 @@ def _install_guards(app: FastAPI, config: ServeConfig, service: Service, model_c
     hosts = config.trusted_hosts()
     if hosts is not None:
         app.add_middleware(TrustedHostMiddleware, allowed=hosts)
-    app.add_middleware(MetricsMiddleware, metrics=service.metrics)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
 
 
 def _json_body(model: type[BaseModel]) -> dict:

@@ -66,6 +66,7 @@ class ServeConfig:
     num_speculative_tokens: int = 8  # the most draft tokens per sequence and step
     tool_parser: str | None = None  # how replies call tools: hermes, json, generic; None = from the chat template
     log_level: str = "info"
+    max_images: int = 16  # a diffusion model's images per /v1/images/generations request (`n`); more: 400
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -99,6 +100,8 @@ class ServeConfig:
         if self.tool_parser is not None and self.tool_parser not in TOOL_PARSERS:
             raise ValueError(f"tool_parser={self.tool_parser!r}: choose one of {', '.join(TOOL_PARSERS)} or leave "
                              "it unset to follow the chat template")
+        if self.max_images < 1:
+            raise ValueError(f"max_images must be >= 1, got {self.max_images}")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         self.quantization = quantization_setting(self.quantization, "quantization")

@@ -368,3 +368,26 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = None
     tokens: list[int]
+
+
+class ImageGenerationRequest(BaseModel):
+    """POST /v1/images/generations for a class-conditional diffusion model: `prompt` names a class.
+
+    OpenAI's fields, plus the sampler's (`steps`, `guidance_scale`, `seed`). `response_format`
+    "url" answers `data:image/png;base64,...` URLs (the server hosts no files); `size`, when
+    given, must be the model's own (it generates one size). `quality`, `style` and `user` are
+    accepted and ignored."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    prompt: NonEmptyStr
+    model: str | None = None
+    n: int = Field(1, ge=1)
+    response_format: Literal["b64_json", "url"] = "b64_json"
+    size: str | None = None
+    steps: int = Field(25, ge=1, le=1000)
+    guidance_scale: float = Field(3.0, ge=0.0, le=50.0)
+    seed: int | None = Field(None, ge=0, le=SEED_MAX)
+    quality: str | None = None
+    style: str | None = None
+    user: str | None = None

@@ -20,9 +20,11 @@ from collections.abc import Callable, Iterator
 
 import uvicorn
 
+from ..diffusion.train import diffusion_model_dir
 from ..model.load import Pretrained
 from .app import build_app
 from .config import ServeConfig
+from .images import build_image_app
 
 log = logging.getLogger("tokenmind.serve")
 
@@ -71,8 +73,12 @@ def warn_if_exposed(config: ServeConfig) -> None:
 
 
 def uvicorn_server(config: ServeConfig, pretrained: Pretrained | None = None) -> uvicorn.Server:
-    """A ready-to-run uvicorn server for the app (`.run()` blocks; tests run it on a thread)."""
-    app = build_app(config, pretrained)
+    """A ready-to-run uvicorn server for the app (`.run()` blocks; tests run it on a thread): the image
+    app when `config.model` is a diffusion run, else the chat app."""
+    if pretrained is None and diffusion_model_dir(config.model) is not None:
+        app = build_image_app(config)
+    else:
+        app = build_app(config, pretrained)
     service = app.state.service
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                timeout_graceful_shutdown=config.shutdown_timeout + 5.0, access_log=False)
