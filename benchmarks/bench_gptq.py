@@ -130,13 +130,14 @@ def main() -> None:
     results = {}
     for name, make in variants.items():
         t0 = time.perf_counter()
-        model = make().float()
-        quantize_s = time.perf_counter() - t0
+        model = make()
+        quantize_s, bits = time.perf_counter() - t0, bits_per_weight(model)  # before .float() widens the scales
+        model = model.float()
         t0 = time.perf_counter()
         with torch.inference_mode():
             ppl = evaluate_lm(model, eval_text, tok, seq_len=args.seq_len, stride=args.seq_len)
         results[name] = {"perplexity": round(ppl["perplexity"], 4), "bits_per_byte": round(ppl["bits_per_byte"], 5),
-                         "bits_per_weight": round(bits_per_weight(model), 3),
+                         "bits_per_weight": round(bits, 3),
                          "quantize_s": round(quantize_s, 1), "eval_s": round(time.perf_counter() - t0, 1)}
         print(name, results[name], file=sys.stderr, flush=True)
     ref = results["fp32"]["perplexity"]

@@ -226,6 +226,8 @@ def load_model(ref: str | Path, dtype: torch.dtype | str = torch.float32, quanti
     Q6_K blocks (and layers fusing them with 4-bit ones) into int8; layers stored in other types
     are quantized to int4 from their float values. A mixture of experts' routers stay float and
     its 3-D expert slabs are not linears: they load dequantized to `dtype` under any quantization.
+    An HF directory saved with int4 linears (`quantize_pretrained` + `save_model`: RTN, GPTQ or AWQ)
+    loads them as the int4 they were saved in under quantize None, "int4" or "auto".
     tokenizer: another reference to take the tokenizer from (a model exported without one).
     """
     quantize = quantization_setting(quantize)
