@@ -36,7 +36,7 @@ def _add_model_args(p: argparse.ArgumentParser, quantize: bool = True, quantize_
     p.add_argument("--dtype", help="weight dtype: " + (
         "auto (default: the checkpoint's own where this CPU computes it natively, else float32), float32, "
         "bfloat16, float16" if fast else "float32 (default), bfloat16, float16" + (", auto" if quantize else "")))
-    if not quantize:  # convert writes float safetensors; quantized layers have no HF form here
+    if not quantize:  # convert loads float weights (its own --quantize chooses what it saves)
         p.set_defaults(dtype="float32", quantize=None)
         return
     p.add_argument("--quantize", dest=quantize_dest, choices=("auto", "none", "int8", "int4"),
@@ -251,10 +251,15 @@ def cmd_chat(args) -> None:
 
 
 def cmd_convert(args) -> None:
-    from .model.load import save_model
+    from .model.load import quantize_pretrained, save_model
 
-    out = save_model(_load(args), args.out)
-    print(f"wrote Hugging Face model directory {out}")
+    pretrained = _load(args)
+    if args.int4 != "none":
+        quantize_pretrained(pretrained, args.int4, group_size=args.group_size, calibration=args.calibration,
+                            text_field=args.calibration_field, num_sequences=args.calibration_samples,
+                            seq_len=args.calibration_seq_len)
+    out = save_model(pretrained, args.out)
+    print(f"wrote {'int4' if args.int4 != 'none' else 'Hugging Face'} model directory {out}")
 
 
 def cmd_train(args, overrides: list[str]) -> None:
@@ -765,6 +770,15 @@ def build_parser() -> argparse.ArgumentParser:
                                    "names) and write config.json + model.safetensors + tokenizer.")
     _add_model_args(p, quantize=False)
     p.add_argument("--out", required=True, help="output directory (replaced atomically)")
+    g = p.add_argument_group("int4 quantization (the saved directory loads back quantized)")
+    g.add_argument("--quantize", dest="int4", choices=("none", "int4", "gptq", "awq"), default="none",
+                   help="none (default: float), int4 (round to nearest), gptq or awq (calibrated on --calibration)")
+    g.add_argument("--group-size", type=int, default=32, help="inputs per int4 scale/zero: 32 (default), 64, 128, 256")
+    g.add_argument("--calibration", default=None, help="gptq/awq: calibration text, a .txt/.jsonl/.parquet file or "
+                                                      "a folder of them")
+    g.add_argument("--calibration-field", default="text", help="the JSONL/Parquet field with the text (default text)")
+    g.add_argument("--calibration-samples", type=int, default=32, help="calibration sequences (default 32)")
+    g.add_argument("--calibration-seq-len", type=int, default=256, help="tokens per calibration sequence (default 256)")
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("train", help="pre-train a model from token shards (YAML config + overrides)",

@@ -18,9 +18,16 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .config import ModelConfig
+from .quant import Int4Linear, QuantizedLinear, _replace
 from .transformer import Transformer
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+# An int4 checkpoint (`tokenmind convert --quantize int4|gptq|awq`): config.json's quantization_config
+# names this method, and each int4 linear is stored as `<name>.qweight` / `.scales` / `.zeros`
+# (`Int4Linear.portable`) in place of `<name>.weight`, under HF names (fused layers split back apart).
+INT4_METHOD = "tokenmind_int4"
+_INT4_PARTS = ("qweight", "scales", "zeros")
 
 _FUSED = {  # our fused module → the HF modules stacked in it, in order
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -69,7 +76,7 @@ def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     sizes = {"self_attn.qkv_proj": [q, kv, kv], "mlp.gate_up_proj": [cfg.intermediate_size] * 2,
              "mlp.shared_expert.gate_up_proj": [cfg.shared_expert_intermediate_size] * 2,
              "mlp.shared_experts.gate_up_proj": [cfg.shared_experts_intermediate_size] * 2}
-    state = model.state_dict()
+    state = _portable_state_dict(model)
     for k in range(cfg.num_nextn_predict_layers):  # the checkpoint layout keeps per-depth copies of both
         state[f"mtp.{k}.embed_tokens.weight"] = state["embed_tokens.weight"].clone()  # (safetensors refuses
         state[f"mtp.{k}.shared_head.head.weight"] = model.lm_head.weight.detach().clone()  # shared memory)
@@ -88,6 +95,62 @@ def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
         else:
             hf[hf_name] = tensor
     return hf
+
+def _portable_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
+    """`model.state_dict()` with each int4 linear's kernel buffers replaced by its portable tensors."""
+    state = model.state_dict()
+    for name, module in model.named_modules():
+        if isinstance(module, Int4Linear):
+            del state[f"{name}.weight"], state[f"{name}.scales_and_zeros"]
+            state.update((f"{name}.{part}", t) for part, t in zip(_INT4_PARTS, module.portable()))
+        elif isinstance(module, QuantizedLinear):
+            raise ValueError(f"{name} is {type(module).__name__}: only float and int4 layers can be saved; "
+                             "load the model with quantize=None (or int4) to save it")
+    return state
+
+
+def int4_quantization_config(model: Transformer) -> dict | None:
+    """config.json's quantization_config for a model with int4 linears (None without any): the storage
+    method, the group size, and how the codes were chosen ("rtn", "gptq", "awq", "Q4_1", ...)."""
+    layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    if not layers:
+        return None
+    sizes = {m.group_size for m in layers}
+    if len(sizes) > 1:
+        raise ValueError(f"the int4 layers mix group sizes {sorted(sizes)}; a checkpoint stores one")
+    return {"quant_method": INT4_METHOD, "bits": 4, "group_size": sizes.pop(),
+            "algorithm": "+".join(sorted({m.source or "rtn" for m in layers})),
+            "format": "w = (q - 8) * scale + zero per group of group_size inputs; qweight: two codes per byte, "
+                      "even input column in the low nibble"}
+
+
+def _take_int4(hf: dict[str, torch.Tensor], quantization: dict, source: str) -> dict[str, torch.Tensor]:
+    """Move the int4 tensors out of an HF state dict, leaving a meta placeholder `.weight` for each."""
+    if quantization.get("quant_method") != INT4_METHOD or not isinstance(quantization.get("group_size"), int):
+        raise ValueError(f"{source}: quantization_config {quantization} is not one tokenmind reads (it reads "
+                         f"quant_method {INT4_METHOD!r} with a group_size, as `tokenmind convert --quantize` writes); "
+                         "load the float checkpoint instead")
+    int4 = {}
+    for key in [k for k in hf if k.endswith(".qweight")]:
+        base = key.removesuffix(".qweight")
+        if not all(f"{base}.{part}" in hf for part in _INT4_PARTS):
+            raise ValueError(f"{source}: {key} comes without its .scales and .zeros; the checkpoint is incomplete")
+        for part in _INT4_PARTS:
+            int4[f"{base}.{part}"] = hf.pop(f"{base}.{part}")
+        hf[f"{base}.weight"] = torch.empty(int4[key].shape[0], 2 * int4[key].shape[1], device="meta")
+    return int4
+
+
+def _attach_int4(model: Transformer, int4: dict[str, torch.Tensor], group_size: int) -> None:
+    """Swap the placeholder linears for `Int4Linear`s built from the (HF-named) int4 tensors."""
+    ours = from_hf_state_dict(int4, model.cfg.num_hidden_layers)  # fuses q/k/v and gate/up rows as for weights
+    for key in [k for k in ours if k.endswith(".qweight")]:
+        name = key.removesuffix(".qweight")
+        linear = model.get_submodule(name)
+        bias = None if linear.bias is None else linear.bias.detach()
+        module = Int4Linear.from_portable(*(ours[f"{name}.{part}"] for part in _INT4_PARTS), group_size, bias)
+        _replace(model, name, module)
+
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     try:
@@ -181,7 +244,13 @@ def load_hf_dir(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Tr
 
         check_reward_config(hf_cfg, config_path)
         cls = RewardModel
-    return build_model(cfg, read_hf_state_dict(model_dir), source=str(model_dir), dtype=dtype, cls=cls)
+    hf = read_hf_state_dict(model_dir)
+    quantization = hf_cfg.get("quantization_config")
+    int4 = _take_int4(hf, quantization, str(config_path)) if quantization else {}
+    model = build_model(cfg, hf, source=str(model_dir), dtype=dtype, cls=cls)
+    if int4:
+        _attach_int4(model, int4, quantization["group_size"])
+    return model
 
 @contextlib.contextmanager
 def atomic_directory(out_dir: str | Path) -> Iterator[Path]:
@@ -202,10 +271,15 @@ def atomic_directory(out_dir: str | Path) -> Iterator[Path]:
 
 def save_hf_dir(model: Transformer, out_dir: str | Path, tokenizer=None) -> Path:
     """Write config.json + model.safetensors (+ the tokenizer's files) so `transformers` loads
-    it, atomically (`atomic_directory`)."""
+    it, atomically (`atomic_directory`). int4 linears are stored as they run (`INT4_METHOD`): tokenmind
+    loads those back, `transformers` does not."""
+    config, quantization = model.hf_config(), int4_quantization_config(model)
+    if quantization:
+        config["quantization_config"] = quantization
     with atomic_directory(out_dir) as tmp:
-        (tmp / "config.json").write_text(json.dumps(model.hf_config(), indent=2) + "\n")
-        tensors = {k: v.detach().to(torch.float32).contiguous() for k, v in to_hf_state_dict(model).items()}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        tensors = {k: (v.detach() if k.endswith(_INT4_PARTS) else v.detach().to(torch.float32)).contiguous()
+                   for k, v in to_hf_state_dict(model).items()}
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if tokenizer is not None:
             tokenizer.save(tmp)

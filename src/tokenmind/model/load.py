@@ -170,10 +170,20 @@ def fast_settings(path: Path, ckpt=None) -> tuple[torch.dtype, str | None]:
         if gguf_block_tensors(ckpt):
             return torch.float32, "int4"
         stored = {ckpt.raw_tensor(n)[1].name for n in ckpt.tensor_names if n.endswith("proj.weight")}
+    elif _stored_int4(path):
+        return torch.float32, "int4"
     else:
         stored = _safetensors_dtypes(path)
     native = stored == {"BF16"} and cpu_has_native_bf16()
     return (torch.bfloat16 if native else torch.float32), None
+
+
+def _stored_int4(model_dir: Path) -> bool:
+    """Whether an HF directory holds int4 linears (`tokenmind convert --quantize int4|gptq|awq`)."""
+    try:
+        return "quantization_config" in json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return False  # the loader itself reports what is wrong with the checkpoint
 
 
 def _safetensors_dtypes(model_dir: Path) -> set[str]:
@@ -216,6 +226,8 @@ def load_model(ref: str | Path, dtype: torch.dtype | str = torch.float32, quanti
     Q6_K blocks (and layers fusing them with 4-bit ones) into int8; layers stored in other types
     are quantized to int4 from their float values. A mixture of experts' routers stay float and
     its 3-D expert slabs are not linears: they load dequantized to `dtype` under any quantization.
+    An HF directory saved with int4 linears (`quantize_pretrained` + `save_model`: RTN, GPTQ or AWQ)
+    loads them as the int4 they were saved in under quantize None, "int4" or "auto".
     tokenizer: another reference to take the tokenizer from (a model exported without one).
     """
     quantize = quantization_setting(quantize)
@@ -252,7 +264,12 @@ def load_model(ref: str | Path, dtype: torch.dtype | str = torch.float32, quanti
                                     "was trained with (tokenizer=... / --sft.tokenizer=DIR)")
         model = load_hf_dir(path, dtype=dtype)
         tok = load_tokenizer(path if tokenizer is None else tokenizer)
-    if quantize is not None and not (blocks_only and ckpt is not None):
+    stored_int4 = ckpt is None and _stored_int4(path)
+    if stored_int4:  # its linears load as the int4 they were saved in (layers it keeps float stay float)
+        if quantize == "int8":
+            raise ValueError(f"{path} stores its linears in int4; load it with quantize int4, auto or none")
+        quantize = "int4"
+    elif quantize is not None and not (blocks_only and ckpt is not None):
         quantize_model(model, quantize)  # every linear still in float (all of them unless GGUF blocks were copied)
     unloaded = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if unloaded:
@@ -279,6 +296,38 @@ def _load_with_adapter(path: Path, dtype: torch.dtype, quantize: str | None,
     if base.quantization is None:
         merge_lora(base.model)
     return Pretrained(base.model.eval(), base.tokenizer, path, base.quantization)
+
+
+CALIBRATED = ("gptq", "awq")  # int4 methods that choose their weights from calibration text
+
+
+def quantize_pretrained(pretrained: Pretrained, method: str, *, group_size: int = 32,
+                        calibration: str | Path | None = None, text_field: str = "text", num_sequences: int = 32,
+                        seq_len: int = 256) -> Pretrained:
+    """Quantize a float model's linears to int4 in place, for `save_model`: "int4" rounds to nearest
+    (`quant.quantize_model`); "gptq" and "awq" fit the rounding to `calibration` (a .txt/.jsonl/
+    .parquet file or folder; `text_field` names the JSONL/Parquet column), of which the first
+    num_sequences × seq_len tokens are used (`calibrate.calibration_ids`)."""
+    if method not in ("int4", *CALIBRATED):
+        raise ValueError(f"unknown int4 method {method!r}; choose int4 (round to nearest), {', '.join(CALIBRATED)}")
+    if pretrained.quantization is not None:
+        raise ValueError(f"{pretrained.name} is already quantized ({pretrained.quantization}); load it with "
+                         "quantize=None to quantize it again")
+    if method == "int4":
+        quantize_model(pretrained.model, "int4", group_size)
+    else:
+        if calibration is None:
+            raise ValueError(f"{method} needs calibration text: a .txt, .jsonl or .parquet file or a folder of them "
+                             "(--calibration PATH), text like what the model will see")
+        from .awq import quantize_awq
+        from .calibrate import calibration_ids, read_calibration_texts
+        from .gptq import quantize_gptq
+
+        ids = calibration_ids(read_calibration_texts(calibration, text_field), pretrained.tokenizer, num_sequences,
+                              seq_len)
+        (quantize_gptq if method == "gptq" else quantize_awq)(pretrained.model, ids, group_size=group_size)
+    pretrained.quantization = "int4"
+    return pretrained
 
 
 def save_model(pretrained: Pretrained, out_dir: str | Path) -> Path:

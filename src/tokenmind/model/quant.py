@@ -208,12 +208,8 @@ class Int4Linear(QuantizedLinear):
         out_f, in_f = w.shape
         padded = -(-in_f // group_size) * group_size
         w = F.pad(w, (0, padded - in_f)).view(out_f, padded // group_size, group_size)
-        lo, hi = w.amin(dim=-1), w.amax(dim=-1)
-        scales = ((hi - lo) / 15).to(compute_dtype)
-        scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # constant groups
-        zeros = (lo + 8 * scales.float()).to(compute_dtype)
-        q = torch.round((w - zeros.float()[..., None]) / scales.float()[..., None]) + 8
-        codes = q.clamp(0, 15).to(torch.uint8).view(out_f, padded)
+        scales, zeros = int4_minmax_grid(w, compute_dtype)
+        codes = int4_round(w, scales[..., None], zeros[..., None]).view(out_f, padded)
         return cls.from_codes(codes, scales, zeros, group_size, bias, in_features=in_f)
 
     @property
@@ -226,6 +222,28 @@ class Int4Linear(QuantizedLinear):
     def codes(self) -> torch.Tensor:
         """The (out, padded_in) uint8 codes in [0, 15]."""
         return _unpack_int4(self.weight, self.out_features, self.padded_in)
+
+    def portable(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(qweight, scales, zeros) as checkpoints store them (`checkpoint.save_hf_dir`), independent of
+        the kernel's packing: qweight (out, in / 2) uint8 holds input columns 2j and 2j + 1 in its low
+        and high nibble; scales and zeros are (out, padded_in / group_size) in the compute dtype."""
+        if self.in_features % 2:
+            raise ValueError(f"an int4 checkpoint stores two codes per byte; in_features={self.in_features} is odd")
+        codes = self.codes()[:, :self.in_features]
+        sz = self.scales_and_zeros.transpose(0, 1)
+        return codes[:, 0::2] | (codes[:, 1::2] << 4), sz[..., 0].contiguous(), sz[..., 1].contiguous()
+
+    @classmethod
+    def from_portable(cls, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                      bias: torch.Tensor | None = None) -> Int4Linear:
+        """Inverse of `portable`; the padding columns (in_features up to the groups' width) get code 8."""
+        out_f, in_f = qweight.shape[0], 2 * qweight.shape[1]
+        codes = torch.full((out_f, scales.shape[1] * group_size), 8, dtype=torch.uint8)
+        if codes.shape[1] < in_f or codes.shape[1] - in_f >= group_size:
+            raise ValueError(f"{scales.shape[1]} groups of {group_size} do not cover in_features={in_f}: the "
+                             "checkpoint's scales and group_size disagree")
+        codes[:, 0:in_f:2], codes[:, 1:in_f:2] = qweight & 15, qweight >> 4
+        return cls.from_codes(codes, scales, zeros, group_size, bias, in_features=in_f)
 
     def dequantize(self, dtype: torch.dtype = torch.float32, rows: int = 256) -> torch.Tensor:
         n, k, g = self.out_features, self.padded_in, self.group_size
@@ -242,6 +260,22 @@ class Int4Linear(QuantizedLinear):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", group_size={self.group_size}"
+
+
+def int4_minmax_grid(groups: torch.Tensor, compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The round-to-nearest grid of float groups (..., group_size): s = (max − min) / 15 and z = min + 8s,
+    each rounded to the compute dtype (so the stored values are the ones the codes are made with)."""
+    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
+    scales = ((hi - lo) / 15).to(compute_dtype)
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # constant groups
+    zeros = (lo + 8 * scales.float()).to(compute_dtype)
+    return scales, zeros
+
+
+def int4_round(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """Codes q = clamp(round((w − z) / s) + 8, 0, 15) as uint8, for scales/zeros broadcast against w."""
+    q = torch.round((w - zeros.float()) / scales.float()) + 8
+    return q.clamp_(0, 15).to(torch.uint8)
 
 
 def _unpack_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
