@@ -1,5 +1,7 @@
 """Speculative decoding speed on SmolLM2-135M-Instruct (fp32, batch 1, greedy), through the engine: plain
-decoding vs n-gram (prompt-lookup) drafting at several k, and a self-speculative draft model.
+decoding vs n-gram (prompt-lookup) drafting at several k, a self-speculative draft model, and trained
+Medusa / EAGLE heads (`--medusa PATH`, `--eagle PATH`: directories `tokenmind posttrain medusa|eagle`
+wrote; MTP does not apply, SmolLM2 has no MTP depths).
 
 There is no smaller packaged model with SmolLM2's vocabulary, so the model drafter is a truncated
 copy of the target itself: its first `--draft-layers` blocks + final norm + LM head (weights shared,
@@ -9,7 +11,8 @@ summarize text that is in the prompt (where prompt lookup should help) and some 
 Each configuration is an `LLM` (the paged engine, one request at a time) built once. Every
 configuration runs in one process, alternating with plain decoding in each repeat so load hits all
 alike; medians are reported. Greedy speculative output is checked token for token against
-plain decoding. Prints JSON.
+plain decoding. `acceptance_length` is the mean number of tokens one target decode pass yields
+(accepted drafts + the target's own token; 1.0 without speculation). Prints JSON.
 
     python benchmarks/bench_speculative.py [--max-tokens 128] [--ks 2,3,4,8] [--adaptive-ks 8] [--repeats 3]
 """
@@ -102,6 +105,9 @@ def main() -> None:
     ap.add_argument("--draft-layers", type=int, default=6, help="truncated self-draft depth; 0 skips it")
     ap.add_argument("--draft-k", type=int, default=3)
     ap.add_argument("--draft-repeats", type=int, default=1, help="the truncated draft is slow; time it fewer times")
+    ap.add_argument("--medusa", default=None, help="a trained Medusa head directory to time (posttrain medusa)")
+    ap.add_argument("--eagle", default=None, help="a trained EAGLE head directory to time (posttrain eagle)")
+    ap.add_argument("--head-k", type=int, default=4, help="most drafts per step for the heads (adaptive)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (default 1: on a shared 2-core machine a second thread slows decode ~10x)")
     ap.add_argument("--prompts", default=None, help="comma-separated subset of prompt names")
@@ -123,8 +129,8 @@ def main() -> None:
     wanted = set(args.prompts.split(",")) if args.prompts else None
     load_start = os.getloadavg()[0]
 
-    def llm(method=None, k=8, adaptive=False, ngram=args.max_ngram, draft=None):
-        spec = None if method is None else SpeculativeConfig(method, k, adaptive, max_ngram=ngram)
+    def llm(method=None, k=8, adaptive=False, ngram=args.max_ngram, draft=None, head=None):
+        spec = None if method is None else SpeculativeConfig(method, k, adaptive, max_ngram=ngram, head=head)
         return LLM(pre, draft_model=draft, max_num_seqs=1, max_model_len=4096, speculative=spec)
 
     engines = {"plain": llm()}
@@ -136,6 +142,9 @@ def main() -> None:
     if args.draft_layers:
         draft_name = f"self_draft_{args.draft_layers}of{model.cfg.num_hidden_layers}_k{args.draft_k}"
         engines[draft_name] = llm("draft", args.draft_k, draft=truncated_draft(model, args.draft_layers))
+    heads = {method: path for method, path in (("medusa", args.medusa), ("eagle", args.eagle)) if path}
+    for method, path in heads.items():
+        engines[f"{method}_k{args.head_k}_adaptive"] = llm(method, args.head_k, adaptive=True, head=path)
 
     def run(name, ids):
         engine = engines[name].engine
@@ -183,7 +192,8 @@ def main() -> None:
                 "identical_to_plain": identical.get(c, True),
                 "runs": len(times[c]),
                 "stats": {**st, "acceptance_rate": round(st["accepted"] / st["drafted"], 4) if st["drafted"] else None,
-                          "tokens_per_step": round(n / st["steps"], 3)},
+                          "tokens_per_step": round(n / st["steps"], 3),
+                          "acceptance_length": round((n - 1) / max(st["steps"] - 1, 1), 3)},  # the first step prefills
             }
         rows.append(row)
         print(json.dumps({"prompt": name, **{c: (v["speedup"], v["stats"]["acceptance_rate"])
@@ -200,6 +210,8 @@ def main() -> None:
             summary[key] = {"geomean_speedup": geomean([s["speedup"] for s in sel]),
                             "mean_acceptance": (round(statistics.mean(s["stats"]["acceptance_rate"] for s in sel), 3)
                                                 if sel and sel[0]["stats"]["acceptance_rate"] is not None else None),
+                            "mean_acceptance_length": (round(statistics.mean(s["stats"]["acceptance_length"]
+                                                                             for s in sel), 3) if sel else None),
                             "all_identical": all(s["identical_to_plain"] for s in sel)}
     result = {
         "benchmark": "speculative_decoding_batch1_greedy",
@@ -213,6 +225,9 @@ def main() -> None:
         "repeats": args.repeats,
         "draft_model": (f"truncated self-draft: first {args.draft_layers} of {model.cfg.num_hidden_layers} layers "
                         "+ final norm + LM head of the target (shared weights, untrained exit)") if draft_name else None,
+        "heads": {method: {"path": path, **json.loads((Path(path) / "head.json").read_text())}
+                  for method, path in heads.items()},
+        "head_k": args.head_k,
         "timing": "end to end per request (prefill included; decode_tok_s subtracts a separately timed prefill)",
         "machine": machine_info(loadavg_1m_start=round(load_start, 2)),
         "summary": summary,

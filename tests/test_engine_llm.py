@@ -61,16 +61,19 @@ def run(engine):
     return finals, deltas
 
 
-def assert_batched_greedy_equals_naive(model, max_tokens=12):
+def assert_batched_greedy_equals_naive(model, max_tokens=12, **config):
     """Four prompts of different lengths through one engine, in small steps (chunked prefill, decode
-    batched with prefill) give each the tokens the no-cache reference gives it alone."""
+    batched with prefill) give each the tokens the no-cache reference gives it alone. `config`:
+    more `EngineConfig` fields (speculative decoding, a small pool); returns the engine."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist() for n in (3, 9, 17, 5)]
-    engine = Engine(model, config=EngineConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=8))
+    engine = Engine(model, config=EngineConfig(**{"block_size": 4, "max_num_seqs": 4, "max_num_batched_tokens": 8,
+                                                  **config}))
     ids = [engine.add_request(p, params) for p in prompts]
     finals, _ = run(engine)
     assert [finals[i].token_ids for i in ids] == [naive_greedy(model, p, max_tokens) for p in prompts]
+    return engine
 
 
 def assert_no_leaks(engine):

@@ -318,4 +318,4 @@ def test_mtp_needs_the_models_depths():
     with pytest.raises(ValueError, match="num_nextn_predict_layers=0"):
         Engine(tiny_mtp(0), config=EngineConfig(speculative=SpeculativeConfig("mtp")))
     with pytest.raises(ValueError, match="'mtp'"):
-        SpeculativeConfig("medusa")
+        SpeculativeConfig("lookahead")

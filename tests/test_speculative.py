@@ -131,7 +131,7 @@ def test_errors_name_the_fix(model):
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         SpeculativeConfig(num_speculative_tokens=0)
     with pytest.raises(ValueError, match="'ngram'"):
-        SpeculativeConfig("medusa")
+        SpeculativeConfig("lookahead")
 
 
 def test_ngram_lookup():

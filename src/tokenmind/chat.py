@@ -13,18 +13,18 @@ from collections.abc import Iterator
 from .engine.llm import LLM
 from .engine.outputs import RequestOutput
 from .engine.sampling import SamplingParams
-from .engine.speculative import SpeculativeConfig
+from .engine.speculative import SpeculativeConfig, parse_speculative
 from .model.load import Pretrained, load_model
 
 
 def interactive_llm(model: Pretrained, speculative: str | None = None) -> LLM:
     """An engine for one conversation at a time. `speculative`: None, "ngram" (prompt lookup, no
-    second model), "mtp" (the model's multi-token prediction depths) or a draft model reference
-    (path or alias) whose tokenizer is the target's."""
+    second model), "mtp" (the model's multi-token prediction depths), "medusa:PATH" / "eagle:PATH"
+    (a trained draft head) or a draft model reference (path or alias) whose tokenizer is the target's."""
     if speculative is None:
         return LLM(model, max_num_seqs=1)
-    if speculative in ("ngram", "mtp"):
-        return LLM(model, max_num_seqs=1, speculative=SpeculativeConfig(speculative))
+    if (config := parse_speculative(speculative)) is not None:
+        return LLM(model, max_num_seqs=1, speculative=config)
     dtype = model.model.embed_tokens.weight.dtype
     draft = load_model(speculative, dtype=dtype)
     return LLM(model, draft_model=draft, max_num_seqs=1, speculative=SpeculativeConfig("draft"))

@@ -58,11 +58,12 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
 
 
 def _add_speculative_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--speculative", default=None, metavar="ngram|mtp|MODEL",
+    p.add_argument("--speculative", default=None, metavar="ngram|mtp|medusa:PATH|eagle:PATH|MODEL",
                    help="speculative decoding: 'ngram' drafts by prompt lookup (no second model; fast when the "
                         "answer copies from the prompt), 'mtp' with the model's own multi-token prediction "
-                        "depths (DeepSeek-V3 checkpoints that ship them), or a smaller draft model with the same "
-                        "tokenizer. Greedy output is unchanged; sampling keeps the same distribution")
+                        "depths (DeepSeek-V3 checkpoints that ship them), 'medusa:PATH' / 'eagle:PATH' with a "
+                        "draft head trained by `tokenmind posttrain medusa|eagle`, or a smaller draft model with "
+                        "the same tokenizer. Greedy output is unchanged; sampling keeps the same distribution")
 
 
 def _add_stats_arg(p: argparse.ArgumentParser) -> None:
@@ -316,6 +317,15 @@ def cmd_posttrain_distill(args, overrides: list[str]) -> None:
 
     defaults = {"distill.mode": "gkd" if args.method == "gkd" else "offline", "train.out_dir": f"runs/{args.method}"}
     _print_trained(kd_train(load_kd_config(args.config, overrides, defaults)))
+
+
+def cmd_posttrain_draft_head(args, overrides: list[str]) -> None:
+    from .posttrain.draft_heads import draft_head_train, load_draft_head_config
+
+    defaults = {"draft.method": args.method, "train.out_dir": f"runs/{args.method}"}
+    result = draft_head_train(load_draft_head_config(args.config, overrides, defaults), progress=sys.stderr.isatty())
+    _print_trained(result)
+    print(f"speculate with: --speculative {args.method}:{result.final_model_path}")
 
 
 def cmd_posttrain_raft(args, overrides: list[str]) -> None:
@@ -844,9 +854,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated browser origins allowed to call the API (default: none, CORS off)")
     p.add_argument("--stuck-step-timeout", type=float, metavar="SECONDS",
                    help="/health turns 503 when one engine step runs longer than this (default 120)")
-    p.add_argument("--speculative", metavar="ngram|mtp|MODEL",
+    p.add_argument("--speculative", metavar="ngram|mtp|medusa:PATH|eagle:PATH|MODEL",
                    help="speculative decoding for every request: 'ngram' (prompt lookup), 'mtp' (the model's "
-                        "multi-token prediction depths) or a smaller draft model with the same tokenizer; greedy "
+                        "multi-token prediction depths), 'medusa:PATH' / 'eagle:PATH' (a trained draft head) "
+                        "or a smaller draft model with the same tokenizer; greedy "
                         "output is unchanged, /metrics shows the acceptance rate")
     p.add_argument("--num-speculative-tokens", type=int, metavar="K", help="most draft tokens per step (default 8)")
     p.add_argument("--tool-parser", choices=["hermes", "json", "generic"],
@@ -938,6 +949,9 @@ def build_parser() -> argparse.ArgumentParser:
     distill = ("Data: chat JSONL as for sft. E.g. --distill.teacher=smollm2 --distill.layers='[0,2,4]' "
                "--data.files=FILE, or --config src/tokenmind/configs/kd_smollm2.yaml. Sections: distill, data, optim, "
                "schedule, train")
+    draft_heads = ("The frozen model (--draft.base) answers seeded prompts through the engine; its hidden states are "
+                   "cached; the head trains on them and is saved as OUT/head, used by --speculative METHOD:OUT/head. "
+                   "Sections: draft, data, optim, schedule, train")
     for method, what, details, func in (
             ("dpo", "Direct Preference Optimization (frozen reference)", preference, cmd_posttrain_preference),
             ("ipo", "Identity Preference Optimization (squared loss, frozen reference)", preference,
@@ -955,7 +969,11 @@ def build_parser() -> argparse.ArgumentParser:
             ("kd", "Offline knowledge distillation: the student learns the teacher's top-k next-token distributions, "
                    "computed once and cached", distill, cmd_posttrain_distill),
             ("gkd", "On-policy distillation (GKD): the student samples, the teacher scores every token, generalized "
-                    "JSD", distill, cmd_posttrain_distill)):
+                    "JSD", distill, cmd_posttrain_distill),
+            ("medusa", "Medusa heads on a frozen model: K residual heads over its last hidden state, head k predicting "
+                       "token t+k+1, trained on the model's own generations", draft_heads, cmd_posttrain_draft_head),
+            ("eagle", "An EAGLE draft head on a frozen model: one decoder block predicting the model's next feature "
+                      "(and token), trained on the model's own generations", draft_heads, cmd_posttrain_draft_head)):
         p = post.add_parser(method, help=what.split(":")[0].split(" (")[0],
                             description=f"{what}. {details}; output runs/{method}.")
         p.add_argument("--config", default=None, help="YAML config (sections as above)")

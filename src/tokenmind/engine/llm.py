@@ -32,7 +32,7 @@ from .sampler import sample_batch, token_logprobs
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .speculative import DraftModelProposer, MTPProposer, make_proposer, spec_logprobs, verify
+from .speculative import DraftModelProposer, HiddenStateProposer, MTPProposer, make_proposer, spec_logprobs, verify
 from .structured import GrammarCompiler, advance
 
 
@@ -86,7 +86,7 @@ class Engine:
         """`model` runs as given, shared and never modified: the engine neither copies, casts nor
         moves it, so updates to its weights (an RL policy step) are what the next step runs.
         `draft_model`: the drafter for `config.speculative` with method "draft" ("mtp" drafts with
-        the model's own multi-token prediction depths)."""
+        the model's own multi-token prediction depths, "medusa" and "eagle" with a trained head)."""
         self.config = config = config or EngineConfig()
         weight = model.embed_tokens.weight
         if config.dtype is not None and config.dtype != weight.dtype:
@@ -267,7 +267,7 @@ class Engine:
         self._propose(batch)
         chunks = [self._chunk(seq, n) for seq, n in batch]
         logits, offsets = self.runner.run(chunks)
-        if isinstance(self.proposer, MTPProposer):  # it drafts from the target's hidden states
+        if isinstance(self.proposer, HiddenStateProposer):  # MTP, EAGLE, Medusa draft from the target's states
             self.proposer.observe(chunks, self.runner.hidden)
         self.num_steps += 1
         now = time.perf_counter()

@@ -16,11 +16,14 @@ the target's own, so every verification yields at least one token, and up to k +
 
 Proposers: `NgramProposer` (prompt lookup: copy what followed the latest earlier occurrence of the
 context's last n tokens; no second model, q is a point mass), `DraftModelProposer` (a smaller
-model with the target's vocabulary) and `MTPProposer` (the target's own multi-token prediction
-depths, DeepSeek-V3). The draft model and the MTP depths keep their own block pool with the
-target's geometry and read it through the target's block tables and slots, so they need no
-bookkeeping of their own beyond how far each sequence's entries are computed; copy-on-write
-copies every pool.
+model with the target's vocabulary), `MTPProposer` (the target's own multi-token prediction
+depths, DeepSeek-V3, or a trained EAGLE head run as one depth reused for every draft) and
+`MedusaProposer` (trained Medusa heads: one token per head from the last hidden state, a single
+chain, no tree). The last two draft from the target's hidden states, which the engine hands them
+after every step (`HiddenStateProposer.observe`). The draft model and the MTP depths keep their
+own block pool with the target's geometry and read it through the target's block tables and
+slots, so they need no bookkeeping of their own beyond how far each sequence's entries are
+computed; copy-on-write copies every pool.
 
 The draft length adapts per sequence (`adaptive`): +2 after a round that kept every draft, −1
 after one with a rejection, never below 1 (the heuristic of HF's assisted generation), so text
@@ -34,7 +37,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from torch import nn
 
+from ..model.draft_heads import DRAFT_HEAD_METHODS, MedusaHeads, load_draft_head
 from ..model.paged_attention import PagedKVCache
 from ..model.transformer import Transformer
 from .model_runner import Chunk, ModelRunner, prepare
@@ -46,24 +51,38 @@ from .sequence import Sequence
 @dataclass
 class SpeculativeConfig:
     """How the engine speculates. method: "ngram" (prompt lookup), "draft" (a draft model, given
-    to the engine) or "mtp" (the model's multi-token prediction depths). num_speculative_tokens:
-    the most drafts per sequence and step."""
+    to the engine), "mtp" (the model's multi-token prediction depths), "medusa" or "eagle" (a
+    trained draft head, the directory `head`). num_speculative_tokens: the most drafts per
+    sequence and step."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 8  # on 2 cores 8 was best for prompt lookup (bench_speculative)
     adaptive: bool = True
     max_ngram: int = 3
     min_ngram: int = 1
+    head: str | None = None  # medusa / eagle: the directory `tokenmind posttrain medusa|eagle` wrote
 
     def __post_init__(self) -> None:
-        if self.method not in ("ngram", "draft", "mtp"):
+        if self.method not in ("ngram", "draft", "mtp", *DRAFT_HEAD_METHODS):
             raise ValueError(f"speculative method {self.method!r}: choose 'ngram' (prompt lookup), 'draft' "
-                             "(a smaller model with the same tokenizer) or 'mtp' (the model's multi-token "
-                             "prediction depths)")
+                             "(a smaller model with the same tokenizer), 'mtp' (the model's multi-token "
+                             "prediction depths), 'medusa' or 'eagle' (a trained draft head)")
+        if (self.method in DRAFT_HEAD_METHODS) != (self.head is not None):
+            raise ValueError(f"speculative method {self.method!r} with head={self.head!r}: 'medusa' and 'eagle' "
+                             "need the trained head's directory (--speculative medusa:PATH), the others none")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
+
+
+def parse_speculative(value: str, num_speculative_tokens: int = 8) -> SpeculativeConfig | None:
+    """The config a `--speculative` value names: 'ngram', 'mtp', 'medusa:PATH' or 'eagle:PATH'; None
+    for anything else, which is a draft model's reference (its caller loads it)."""
+    method, _, head = value.partition(":")
+    if value in ("ngram", "mtp") or method in DRAFT_HEAD_METHODS:
+        return SpeculativeConfig(method, num_speculative_tokens, head=head or None)
+    return None
 
 
 @dataclass
@@ -236,9 +255,27 @@ class MTPState:
         self.start, self.buffer, self.length = self.start + drop, self.buffer[drop:], self.length - drop
 
 
-class MTPProposer:
+class HiddenStateProposer:
+    """A proposer that drafts from the target's final hidden states: the engine hands it every
+    step's (`observe`), and each sequence keeps them by position in an `MTPState`."""
+
+    def observe(self, chunks: list[Chunk], hidden: torch.Tensor) -> None:
+        """Keep the target's final hidden states (N, hidden) of a step's chunks (`ModelRunner.hidden`)."""
+        at = 0
+        for chunk in chunks:
+            rows, at = hidden[at:at + len(chunk.token_ids)], at + len(chunk.token_ids)
+            st = chunk.seq.spec_state
+            if isinstance(st, MTPState):
+                st.put(chunk.start, rows)
+            else:  # new or preempted; after a prefix-cache hit the cached part is trusted as the pool holds it
+                chunk.seq.spec_state = MTPState(chunk.start, rows.clone())
+
+
+class MTPProposer(HiddenStateProposer):
     """Drafts with the target's own multi-token prediction depths (DeepSeek-V3 §2.2), over a block
-    pool of their own (one layer per depth) read through the target's block tables.
+    pool of their own (one layer per depth) read through the target's block tables. `layers`
+    replaces the model's depths with other layers of their signature: an EAGLE head
+    (`model/draft_heads.py:EagleHead`) is one depth, reused for every draft as it was trained.
 
     Depth j (0-based) writes slot p from (depth j - 1's output at p - 1, token p): the target's
     final hidden state for j = 0, which the engine hands over after every step (`observe`). With N
@@ -252,8 +289,10 @@ class MTPProposer:
     `done` so each depth finds its previous depth's outputs computed in the same round.
     """
 
-    def __init__(self, model: Transformer, num_blocks: int, block_size: int):
-        self.model, self.depths = model, len(model.mtp)
+    def __init__(self, model: Transformer, num_blocks: int, block_size: int, layers: nn.ModuleList | None = None):
+        self.model = model
+        self.layers = model.mtp if layers is None else layers
+        self.depths = len(self.layers)
         weight = model.embed_tokens.weight
         cfg = dataclasses.replace(model.cfg, num_hidden_layers=self.depths)  # one pool layer per depth
         self.kv_cache = PagedKVCache(cfg, num_blocks, block_size, dtype=weight.dtype, device=weight.device)
@@ -261,17 +300,6 @@ class MTPProposer:
 
     def copy_block(self, src: int, dst: int) -> None:
         self.kv_cache.copy_block(src, dst)
-
-    def observe(self, chunks: list[Chunk], hidden: torch.Tensor) -> None:
-        """Keep the target's final hidden states (N, hidden) of a step's chunks (`ModelRunner.hidden`)."""
-        at = 0
-        for chunk in chunks:
-            rows, at = hidden[at:at + len(chunk.token_ids)], at + len(chunk.token_ids)
-            st = chunk.seq.spec_state
-            if isinstance(st, MTPState):
-                st.put(chunk.start, rows)
-            else:  # new or preempted; after a prefix-cache hit the cached part is trusted as the pool holds it
-                chunk.seq.spec_state = MTPState(chunk.start, rows.clone())
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         D = self.depths
@@ -307,7 +335,8 @@ class MTPProposer:
             ids, positions, meta, rows = prepare(chunks, self.block_size, self.device)
             meta.first_key = depth + 1
             with torch.inference_mode():
-                out = self.model.mtp_step(depth, ids, torch.cat(inputs)[None], positions, meta, self.kv_cache)[0]
+                out = self.model.draft_step(self.layers[depth], ids, torch.cat(inputs)[None], positions, meta,
+                                            self.kv_cache)[0]
                 if rows:
                     _draw(self.model.logits(out[rows]).float(), [seqs[i] for i in wanted],
                           [drafts[i] for i in wanted], [probs[i] for i in wanted])
@@ -324,11 +353,51 @@ class MTPProposer:
         pass  # the next round recomputes every slot from `done` on, from the hidden states `observe` keeps
 
 
+class MedusaProposer(HiddenStateProposer):
+    """Medusa-1 drafting (Cai et al. 2024) as a single chain: from the hidden state of the last token
+    the target ran (position N - 2, which predicted token N - 1, the sequence's last), head k
+    proposes token N + k - 1, k = 1..K, all in one pass of K small blocks and the shared LM head.
+    Each head's token is its own top-1 (or a draw from its own q); no tree of candidates: the
+    engine's verification step checks the one chain. A draft of more than K tokens is cut to K."""
+
+    def __init__(self, model: Transformer, heads: MedusaHeads):
+        self.model, self.heads = model, heads
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+        drafts = [Draft([]) for _ in seqs]
+        probs: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(seqs))}
+        live = [i for i, seq in enumerate(seqs) if isinstance(seq.spec_state, MTPState)
+                and 0 <= seq.num_tokens - 2 - seq.spec_state.start < seq.spec_state.length]
+        if live:
+            h = torch.cat([seqs[i].spec_state.rows(seqs[i].num_tokens - 2, seqs[i].num_tokens - 1) for i in live])
+            with torch.inference_mode():
+                logits = self.model.logits(self.heads(h)).float()  # (K, live, V)
+            for k in range(min(self.heads.num_heads, max(ks[i] for i in live))):
+                wanted = [j for j, i in enumerate(live) if ks[i] > k]
+                _draw(logits[k, wanted], [seqs[live[j]] for j in wanted], [drafts[live[j]] for j in wanted],
+                      [probs[live[j]] for j in wanted])
+        for seq in seqs:  # only the newest row is ever read again
+            if isinstance(seq.spec_state, MTPState):
+                seq.spec_state.forget_before(seq.num_tokens - 2)
+        _stack_probs(drafts, probs)
+        return drafts
+
+    def verified(self, seq: Sequence, num_tokens_before: int, drafted: int, accepted: int) -> None:
+        pass  # the next step's hidden states arrive through `observe`
+
+
 def make_proposer(config: SpeculativeConfig, model: Transformer, draft_model: Transformer | None, num_blocks: int,
                   block_size: int) -> Proposer:
-    """The proposer `config` names; a draft model must share the target's vocabulary."""
+    """The proposer `config` names; a draft model must share the target's vocabulary, a draft head
+    must have been trained on a model of the target's shape."""
     if config.method == "ngram":
         return NgramProposer(config.max_ngram, config.min_ngram)
+    if config.method in DRAFT_HEAD_METHODS:
+        weight = model.embed_tokens.weight
+        head = load_draft_head(config.head, model.cfg, weight.dtype, weight.device, method=config.method)
+        if config.method == "medusa":
+            return MedusaProposer(model, head)
+        return MTPProposer(model, num_blocks, block_size, layers=nn.ModuleList([head]))
     if config.method == "mtp":
         if not len(model.mtp):
             raise ValueError("speculative method 'mtp' drafts with the model's multi-token prediction depths, and "

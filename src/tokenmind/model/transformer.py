@@ -561,7 +561,13 @@ class Transformer(nn.Module):
         previous depth's output for the position before input_ids[:, p]. Dense batches attend under
         `attn`; the engine passes the MTP modules' own paged pool (one layer per depth) and metadata
         whose `first_key` hides the slots without a chain."""
-        layer = self.mtp[depth]
+        return self.draft_step(self.mtp[depth], input_ids, prev, positions, attn, kv_cache)
+
+    def draft_step(self, layer: nn.Module, input_ids: torch.Tensor, prev: torch.Tensor, positions: torch.Tensor,
+                   attn: DenseAttentionMetadata | PagedAttentionMetadata, kv_cache: PagedKVCache | None = None
+                   ) -> torch.Tensor:
+        """Run a drafting layer that reads (this model's embedding of token p, a hidden state for p - 1)
+        at RoPE position p: an MTP depth, or an EAGLE head (`draft_heads.EagleHead`)."""
         cos, sin = self.rotary(positions, prev.dtype)
         mask = attn if isinstance(attn, PagedAttentionMetadata) else attn.resolve(positions, layer.self_attn.window)
         return layer(self.embed_tokens(input_ids), prev, cos, sin, mask, kv_cache)

@@ -34,6 +34,7 @@ from pydantic import BaseModel, ValidationError
 from ..engine.async_engine import AsyncEngine, EngineFailed, EngineStopped
 from ..engine.sampling import SamplingParams
 from ..data.fim import find_fim_tokens, infill_prompt
+from ..engine.speculative import parse_speculative
 from ..engine.structured import StructuredOutput
 from ..model.load import Pretrained, load_model
 from ..model.encoder import SentenceEncoder, load_encoder
@@ -430,7 +431,7 @@ def _load_models(config: ServeConfig) -> tuple[Pretrained, Pretrained | None, Se
 def _load_chat_models(config: ServeConfig) -> tuple[Pretrained, Pretrained | None]:
     """The model, and the draft model `--speculative MODEL` names (same dtype and quantization)."""
     pretrained = load_model(config.model, dtype=config.dtype, quantize=config.quantization)
-    if config.speculative in (None, "ngram", "mtp"):
+    if config.speculative is None or parse_speculative(config.speculative) is not None:
         return pretrained, None
     draft = load_model(config.speculative, dtype=config.dtype, quantize=config.quantization)
     if draft.tokenizer.vocab_size != pretrained.tokenizer.vocab_size:

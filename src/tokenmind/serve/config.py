@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Overrides, load_config
-from ..engine.speculative import SpeculativeConfig
+from ..engine.speculative import SpeculativeConfig, parse_speculative
 from ..model.load import AUTO, quantization_setting
 from .tool_calls import FORMATS as TOOL_PARSERS
 
@@ -60,7 +60,7 @@ class ServeConfig:
     exit_on_engine_failure: bool = True  # a failed engine ends the process (status 1) for a supervisor to restart
     shutdown_timeout: float = 30.0  # seconds in-flight requests may run after SIGTERM before being aborted
     retry_after: int = 1  # seconds a 429 tells the client to wait
-    speculative: str | None = None  # "ngram" (prompt lookup), "mtp" (the model's MTP depths) or a draft model
+    speculative: str | None = None  # "ngram", "mtp" (MTP depths), "medusa:PATH", "eagle:PATH" (heads) or a draft model
     # a sentence encoder (alias minilm, or a sentence-transformers folder) for /v1/embeddings under its own name
     embedding_model: str | None = None
     num_speculative_tokens: int = 8  # the most draft tokens per sequence and step
@@ -150,8 +150,8 @@ class ServeConfig:
         if self.max_model_len is not None:
             options["max_model_len"] = self.max_model_len
         if self.speculative is not None:
-            method = self.speculative if self.speculative in ("ngram", "mtp") else "draft"
-            options["speculative"] = SpeculativeConfig(method, self.num_speculative_tokens)
+            options["speculative"] = (parse_speculative(self.speculative, self.num_speculative_tokens)
+                                      or SpeculativeConfig("draft", self.num_speculative_tokens))
         return options
 
 
