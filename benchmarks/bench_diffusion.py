@@ -5,13 +5,15 @@ its weights copied into diffusers' `DiTTransformer2DModel` with `dit_to_diffuser
 batch of 28×28 images, the same step counts and AdamW hyperparameters.
 
 * training, tokenmind: the real `DiffusionTrainer.train_step` (`DenoisingObjective`: ε-MSE at
-  uniform timesteps, 10% label dropout; gradient clipping, AdamW, LR schedule), bf16 autocast,
-  `train.compile` as `--compile` says. diffusers: the loop its training examples write —
+  uniform timesteps, 10% label dropout; gradient clipping, AdamW, LR schedule) at
+  `train.precision=auto` (bf16 autocast on CUDA and AMX CPUs, fp32 on other CPUs, where bf16 is the
+  slower), `train.compile` as `--compile` says. diffusers: the loop its training examples write —
   `DDPMScheduler.add_noise`, `transformer(x_t, t, labels).sample`, MSE, backward, clip,
   `torch.optim.AdamW` — in fp32 (the diffusers default; `--reference-bf16` runs it under the
   same bf16 autocast, for the like-for-like number).
 * sampling, tokenmind: `sampling.sample` with DDIM, classifier-free guidance in ONE forward of
-  2B rows, bf16 autocast. diffusers: `DiTPipeline.__call__`'s loop without its VAE (this DiT is
+  2B rows, precision auto; with `--compile` the DiT goes through `compile_for_sampling` (inductor,
+  weights frozen into the graph). diffusers: `DiTPipeline.__call__`'s loop without its VAE (this DiT is
   in pixel space): it too batches CFG in one forward of 2B rows, but keeps the latents
   duplicated (2B) and runs `DDIMScheduler.step` on all of them; in fp32 (the pipeline's dtype).
 
@@ -36,7 +38,7 @@ from _common import emit, machine_info, timed
 from tokenmind.diffusion.config import load_config
 from tokenmind.diffusion.data import ImageLoader
 from tokenmind.diffusion.dit import dit_config_to_diffusers, dit_to_diffusers
-from tokenmind.diffusion.sampling import make_scheduler, sample
+from tokenmind.diffusion.sampling import compile_for_sampling, make_scheduler, sample
 from tokenmind.diffusion.train import DiffusionTrainer, build_model, build_objective
 from tokenmind.train.distributed import init_distributed
 from tokenmind.train.objectives import autocast
@@ -95,7 +97,7 @@ def run(args: argparse.Namespace) -> dict:
 
     load_start = os.getloadavg()
     started = time.perf_counter()
-    overrides = [f"data.batch_size={args.batch}", "train.precision=bf16", f"train.compile={args.compile}",
+    overrides = [f"data.batch_size={args.batch}", "train.precision=auto", f"train.compile={args.compile}",
                  "schedule.warmup_steps=0", f"train.steps={args.warmup + args.train_steps * args.repeats + 1}",
                  "train.eval_every=0", "train.checkpoint_every=0"]
     with tempfile.TemporaryDirectory() as out_dir:
@@ -127,9 +129,10 @@ def run(args: argparse.Namespace) -> dict:
                                            clip_sample=d.clip_sample, timestep_spacing=d.timestep_spacing,
                                            set_alpha_to_one=False)
         n = args.sample_batch
-        draw = {"tokenmind": lambda: sample(model, ddim, (n, 1, 28, 28), torch.full((n,), 7), args.steps,
+        sampler_model = compile_for_sampling(model) if args.compile else model
+        draw = {"tokenmind": lambda: sample(sampler_model, ddim, (n, 1, 28, 28), torch.full((n,), 7), args.steps,
                                             args.guidance, torch.Generator().manual_seed(0), num_classes=10,
-                                            precision="bf16"),
+                                            precision=cfg.train.precision),
                 "diffusers": lambda: reference_sample(reference, ref_ddim, n, args.steps, args.guidance, 0,
                                                       ref_precision)}
         sample_s = alternate(draw, 1, 1, args.repeats)
@@ -144,8 +147,9 @@ def run(args: argparse.Namespace) -> dict:
                 "loss_first": round(losses[name][0], 4), "loss_last": round(losses[name][-1], 4)}
 
     sides = {name: side(name) for name in ("tokenmind", "diffusers")}
-    sides["tokenmind"]["runs"] = (f"DiffusionTrainer.train_step (bf16 autocast, compile={args.compile}); "
-                                  "sampling.sample DDIM, CFG in one 2B forward, bf16 autocast")
+    sides["tokenmind"]["runs"] = (f"DiffusionTrainer.train_step ({cfg.train.precision}, compile={args.compile}); "
+                                  f"sampling.sample DDIM, CFG in one 2B forward, {cfg.train.precision}"
+                                  + (", compile_for_sampling" if args.compile else ""))
     sides["diffusers"]["runs"] = (f"diffusers {diffusers.__version__} DiTTransformer2DModel, {ref_precision}; "
                                   "training: add_noise + MSE + torch AdamW; sampling: DiTPipeline's loop (CFG in one "
                                   "2B forward, DDIMScheduler.step on 2B latents)")
@@ -156,7 +160,7 @@ def run(args: argparse.Namespace) -> dict:
                    "parameters": sum(p.numel() for p in model.parameters()), "train_batch": args.batch,
                    "sample_batch": n, "sampling_steps": args.steps, "guidance_scale": args.guidance,
                    "train_steps_per_repeat": args.train_steps, "repeats": args.repeats, "compile": args.compile,
-                   "reference_precision": ref_precision},
+                   "precision": cfg.train.precision, "reference_precision": ref_precision},
         "tokenmind": t, "diffusers": r,
         "train_speedup": round(t["train_steps_per_s"] / r["train_steps_per_s"], 3),
         "sample_speedup": round(t["sample_images_per_s"] / r["sample_images_per_s"], 3),
@@ -189,7 +193,7 @@ def main() -> None:
     p.add_argument("--train-steps", type=int, default=5, help="training steps per timed repeat")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--compile", action="store_true", help="train.compile=true for tokenmind")
+    p.add_argument("--compile", action="store_true", help="train.compile=true and a compiled sampler for tokenmind")
     p.add_argument("--reference-bf16", action="store_true", help="run diffusers under the same bf16 autocast")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="benchmarks/results/bench_diffusion.json")

@@ -22,11 +22,12 @@ from tokenmind.diffusion.data import (
     to_model_range,
 )
 from tokenmind.diffusion.objectives import DenoisingObjective, FlowMatchingObjective, drop_labels
-from tokenmind.diffusion.sampling import generate, guided_output, make_scheduler, sample
+from tokenmind.diffusion.sampling import compile_for_sampling, generate, guided_output, make_scheduler, sample
 from tokenmind.diffusion.schedules import NoiseSchedule
 from tokenmind.cli import main
 from tokenmind.diffusion.train import build_model, load_diffusion_model, train_diffusion
 from tokenmind.jsonl import read_jsonl
+from tokenmind.model import cpu
 
 torch.set_num_threads(1)
 CONFIG = Path(__file__).resolve().parent.parent / "src/tokenmind/configs/diffusion_fashion.yaml"
@@ -167,6 +168,35 @@ def test_shipped_config_loads_and_the_data_decide_the_image_shape():
         build_model(load_config(CONFIG, ["model.options={sample_size: 32}"]))
     with pytest.raises(ValueError, match="diffusion.objective='gan' is not one of ddpm, flow"):
         load_config(CONFIG, ["diffusion.objective=gan"])
+
+
+@pytest.mark.parametrize("flags,device,expected", [({"avx512f", "avx512_bf16"}, "cpu", "fp32"),
+                                                   ({"avx512_bf16", "amx_bf16"}, "cpu", "bf16"),
+                                                   (set(), "cuda", "bf16")])
+def test_auto_precision_is_bf16_only_where_it_is_faster(monkeypatch, flags, device, expected):
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset(flags))
+    assert cpu.fastest_autocast(device) == expected
+    if device == "cpu":  # the config resolves auto (its default) on the run's device, and saves it resolved
+        assert load_config(overrides={"train.device": "cpu"}).train.precision == expected
+        assert load_config(overrides={"train.device": "cpu", "train.precision": "bf16"}).train.precision == "bf16"
+
+
+@pytest.mark.slow  # compiling takes ~20-40 s of CPU
+def test_compiled_sampler_equals_eager(tmp_path):
+    cfg = digits_config(tmp_path, **{"model.options": {"patch_size": 2, "hidden_size": 32, "num_layers": 2,
+                                                       "num_heads": 2}})
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    with torch.no_grad():  # adaLN-Zero starts every block at the identity: move off it so all paths count
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    scheduler, labels = make_scheduler(cfg, "ddim"), torch.arange(4)
+
+    def draw(m):
+        return sample(m, scheduler, (4, 1, 8, 8), labels, steps=3, guidance_scale=3.0,
+                      generator=torch.Generator().manual_seed(0), num_classes=10)
+
+    torch.testing.assert_close(draw(compile_for_sampling(model)), draw(model), atol=1e-4, rtol=1e-4)
 
 
 def test_cli_sample_without_a_trained_model_is_a_clear_error(tmp_path, capsys):

@@ -12,6 +12,8 @@ from typing import Any
 
 from tokenmind.config import Overrides
 from tokenmind.config import load_config as load_schema
+from tokenmind.model.cpu import fastest_autocast
+from tokenmind.train.distributed import resolve_device
 from tokenmind.train.config import OptimSection, ScheduleSection, TrainSection, check_schedule_fits
 
 from .data import DATASETS
@@ -106,7 +108,17 @@ class ImageDataSection:
 
 @dataclass
 class DiffusionTrainSection(TrainSection):
+    """The trainer's section; precision may also be `auto` (the default): the autocast precision
+    that is faster on the run's device (`fastest_autocast`: bf16 on CUDA and AMX CPUs, fp32 on
+    other CPUs, where bf16 casts cost more than they save), resolved here and saved resolved."""
+
     out_dir: str = "runs/diffusion"
+    precision: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.precision == "auto":
+            self.precision = fastest_autocast(resolve_device(self.device).type)
+        super().__post_init__()
 
 
 @dataclass

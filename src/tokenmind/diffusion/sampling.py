@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from tokenmind.model.cpu import fastest_autocast
 from tokenmind.progress import Bars
 from tokenmind.train.objectives import autocast
 
@@ -58,18 +59,30 @@ def guided_output(model: nn.Module, x: torch.Tensor, t: torch.Tensor, class_labe
     return uncond + guidance_scale * (cond - uncond)
 
 
+def compile_for_sampling(model: nn.Module) -> nn.Module:
+    """`model` under `torch.compile` for sampling: inductor fuses each block's norm, modulation,
+    GELU and residual ops into a few loops, and with its weights frozen into the graph it
+    pre-packs them for the CPU's matmul kernels (1.3-1.9x the eager forward of the shipped DiT on
+    one core). Frozen means the weights are read once: compile again after changing them. The
+    first call compiles (about half a minute on a CPU)."""
+    return torch.compile(model, options={"freezing": True})
+
+
 @torch.no_grad()
 def sample(model: nn.Module, scheduler: Scheduler, shape: tuple[int, ...], class_labels: torch.Tensor | None = None,
            steps: int = 50, guidance_scale: float = 1.0, generator: torch.Generator | None = None, *,
-           num_classes: int | None = None, precision: str = "fp32", progress: bool = False) -> torch.Tensor:
+           num_classes: int | None = None, precision: str = "auto", progress: bool = False) -> torch.Tensor:
     """Images (B, C, H, W) = `shape` generated in `steps` scheduler steps from N(0, I) noise drawn
     with `generator` (as are DDPM's and η > 0 DDIM's step noises: one seed, one result).
 
     class_labels: (B,) labels, or None for an unconditional model. guidance_scale: classifier-free
-    guidance weight (needs num_classes, the model's null label). precision: fp32 or bf16 autocast."""
+    guidance weight (needs num_classes, the model's null label). precision: fp32 or bf16 autocast, or
+    auto: the faster of the two on the model's device (`fastest_autocast`). `model` may be a
+    `torch.compile`d module (its first call compiles; then each step runs the compiled forward)."""
     if class_labels is not None and len(class_labels) != shape[0]:
         raise ValueError(f"{len(class_labels)} class labels for a batch of {shape[0]} images")
     device = next(model.parameters()).device
+    precision = fastest_autocast(device.type) if precision == "auto" else precision
     x = gaussian_like(torch.empty(shape, device=device), generator)
     labels = class_labels.to(device) if class_labels is not None else None
     points = scheduler.timesteps(steps)
