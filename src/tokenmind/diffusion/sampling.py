@@ -61,10 +61,10 @@ def guided_output(model: nn.Module, x: torch.Tensor, t: torch.Tensor, class_labe
 
 def compile_for_sampling(model: nn.Module) -> nn.Module:
     """`model` under `torch.compile` for sampling: inductor fuses each block's norm, modulation,
-    GELU and residual ops into a few loops, and with its weights frozen into the graph it
-    pre-packs them for the CPU's matmul kernels (1.3-1.9x the eager forward of the shipped DiT on
-    one core). Frozen means the weights are read once: compile again after changing them. The
-    first call compiles (about half a minute on a CPU)."""
+    GELU and residual ops into a few loops, and with the weights frozen into the graph it
+    pre-packs them for the CPU's matmul kernels (measured in docs/diffusion.md). Frozen means
+    the weights are read once: compile again after changing them. The first call compiles
+    (about half a minute on a CPU)."""
     return torch.compile(model, options={"freezing": True})
 
 
