@@ -47,7 +47,8 @@ class DiffusionSpeedrunConfig:
     fid_samples: samples for the headline FID and class accuracy (the issue: 10k). curve_samples:
         samples per point of the curves. sampler/sample_steps/guidance: the headline sampling.
     steps_grid/guidance_grid: the curves' x values. distill_*: progressive distillation from
-        distill_start_steps DDIM steps, halved distill_rounds times, distill_steps optimizer steps each.
+        distill_start_steps DDIM steps, halved distill_rounds times, distill_steps optimizer steps of
+        distill_batch_size images each.
     threads: torch.set_num_threads (0 = torch's default).
     """
 
@@ -71,6 +72,7 @@ class DiffusionSpeedrunConfig:
     distill_rounds: int = 3
     distill_steps: int = 200
     distill_lr: float = 1e-4
+    distill_batch_size: int = 0  # 0 = the model's batch size
     grid_per_class: int = 10
 
     def __post_init__(self) -> None:
@@ -209,7 +211,8 @@ def speedrun(cfg: DiffusionSpeedrunConfig) -> Path:
         trained["flow"] = stages.run("train_flow", lambda: train(flow_cfg))
     distilled = stages.run("distill", lambda: progressive_distillation(
         out / "ddpm", out / "distill", start_steps=cfg.distill_start_steps, rounds=cfg.distill_rounds,
-        steps_per_round=cfg.distill_steps, lr=cfg.distill_lr, guidance_scale=cfg.guidance)) \
+        steps_per_round=cfg.distill_steps, lr=cfg.distill_lr, guidance_scale=cfg.guidance,
+        batch_size=cfg.distill_batch_size or None)) \
         if cfg.distill_rounds else []
 
     classifier = load_classifier(classifier_info["path"])
