@@ -704,6 +704,12 @@ def cmd_diffusion_train(args, overrides: list[str]) -> None:
     print(f"model: {result.final_model_path}  (sample with: tokenmind diffusion sample --model {result.out_dir})")
 
 
+def cmd_diffusion_speedrun(args, overrides: list[str]) -> None:
+    from .diffusion.speedrun import load_speedrun_config, speedrun
+
+    print(f"report: {speedrun(load_speedrun_config(args.config, overrides))}")
+
+
 def cmd_diffusion_sample(args) -> None:
     from .diffusion.sampling import generate
 
@@ -1243,6 +1249,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", required=True, help="PNG file to write")
     p.set_defaults(func=cmd_diffusion_sample)
+    p = diff.add_parser("speedrun", help="Fashion-MNIST to a measured class-conditional model: FID, class accuracy, "
+                                         "curves, distillation, report.md",
+                        description="Stages: fetch, FID classifier, train DDPM (and flow) models, progressive "
+                                    "distillation, FID and class accuracy, FID vs steps and guidance, report.md with "
+                                    "sample grids; a re-run skips finished stages. Override keys as key=value, e.g. "
+                                    "model.train.steps=100 fid_samples=1000.")
+    p.add_argument("--config", default="cpu-diffusion", help="packaged config name (cpu-diffusion) or a YAML path")
+    p.set_defaults(func=cmd_diffusion_speedrun, takes_overrides=True)
 
     tok = sub.add_parser("tokenizer", help="tokenizer commands").add_subparsers(dest="tokenizer_command",
                                                                                metavar="SUBCOMMAND", required=True)

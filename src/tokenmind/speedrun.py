@@ -12,9 +12,7 @@ fails when the speedrun config loads, not minutes later when its stage starts.
 from __future__ import annotations
 
 import copy
-import json
 import os
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,7 @@ from typing import Any
 from .config import Overrides, build_config, read_config, save_resolved
 from .eval.runner import EvalConfig
 from .posttrain.sft import SFTConfig
+from .progress import Stages
 from .train.config import DataSection, RunConfig
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -117,34 +116,6 @@ def stage_paths(values: dict[str, Any]) -> dict[str, Any]:
     return {**defaults, **values, **{key: value for key, (value, _) in wired.items()}}
 
 
-class _Stages:
-    """Runs named stages in order, timing each, skipping those already done."""
-
-    def __init__(self, out: Path):
-        self.out, self.timings = out, {}
-        self.done_path = out / "stages.json"
-        self.done = json.loads(self.done_path.read_text()) if self.done_path.exists() else {}
-
-    def run(self, name: str, fn) -> Any:
-        from rich.console import Console
-
-        console = Console(stderr=True)
-        if name in self.done:
-            console.print(f"[bold]speedrun[/bold] {name}: already done, skipping")
-            self.timings[name] = self.done[name]["seconds"]
-            return self.done[name]["result"]
-        console.rule(f"[bold]speedrun[/bold] {name}")
-        t0 = time.perf_counter()
-        result = fn()
-        seconds = round(time.perf_counter() - t0, 1)
-        self.timings[name] = seconds
-        self.done[name] = {"seconds": seconds, "result": result}
-        tmp = self.done_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.done, indent=2, default=str))
-        tmp.replace(self.done_path)
-        return result
-
-
 def speedrun(cfg: SpeedrunConfig) -> Path:
     """Run every stage of `cfg` (from `load_speedrun_config`, which wires the stages' paths); return
     the path of the report card."""
@@ -161,7 +132,7 @@ def speedrun(cfg: SpeedrunConfig) -> Path:
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_resolved(cfg, out / "speedrun.yaml")  # every stage's whole config, paths included
-    stages = _Stages(out)
+    stages = Stages(out)
     data = Path(cfg.data_dir)
 
     def fetch_all():

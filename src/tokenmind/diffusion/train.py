@@ -23,6 +23,7 @@ from torch import nn
 from tokenmind.config import config_dict
 from tokenmind.model.checkpoint import atomic_directory
 from tokenmind.train.distributed import DistContext, init_distributed, model_state
+from tokenmind.train.objectives import Objective
 from tokenmind.train.trainer import Trainer, TrainResult
 
 from .config import DiffusionConfig, load_config
@@ -85,10 +86,10 @@ class DiffusionTrainer(Trainer):
         return path
 
 
-def build_diffusion_trainer(cfg: DiffusionConfig, ctx: DistContext,
-                            model_factory: ModelFactory | None = None) -> DiffusionTrainer:
+def build_diffusion_trainer(cfg: DiffusionConfig, ctx: DistContext, model_factory: ModelFactory | None = None,
+                            objective: Objective | None = None) -> DiffusionTrainer:
     """Loaders over the data set's train and test splits, the model (initialized from train.seed)
-    and the objective, wired into the trainer."""
+    and the objective (cfg's, or another such as distillation's), wired into the trainer."""
     data = cfg.data
     images, labels = load_split(data.dataset, "train")
     loader = ImageLoader(images, labels, data.batch_size, seed=data.seed, shuffle=data.shuffle, pad_to=data.pad_to,
@@ -98,13 +99,14 @@ def build_diffusion_trainer(cfg: DiffusionConfig, ctx: DistContext,
                              pad_to=data.pad_to, rank=ctx.rank, world_size=ctx.world_size)
     torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
     model = (model_factory or build_model)(cfg)
-    return DiffusionTrainer(cfg, ctx, model, loader, val_loader, objective=build_objective(cfg))
+    return DiffusionTrainer(cfg, ctx, model, loader, val_loader, objective=objective or build_objective(cfg))
 
 
-def train_diffusion(cfg: DiffusionConfig, model_factory: ModelFactory | None = None) -> TrainResult:
+def train_diffusion(cfg: DiffusionConfig, model_factory: ModelFactory | None = None,
+                    objective: Objective | None = None) -> TrainResult:
     """Train (or resume) the run `cfg` describes; behind `tokenmind diffusion train`."""
     with contextlib.closing(init_distributed(cfg.train.distributed, cfg.train.device)) as ctx:
-        return build_diffusion_trainer(cfg, ctx, model_factory).train()
+        return build_diffusion_trainer(cfg, ctx, model_factory, objective).train()
 
 
 def save_diffusion_model(state: dict[str, torch.Tensor], cfg: DiffusionConfig, path: str | Path) -> Path:
