@@ -704,6 +704,15 @@ def cmd_diffusion_train(args, overrides: list[str]) -> None:
     print(f"model: {result.final_model_path}  (sample with: tokenmind diffusion sample --model {result.out_dir})")
 
 
+def cmd_diffusion_train_vae(args, overrides: list[str]) -> None:
+    from .diffusion.vae_train import load_vae_config, train_vae
+
+    result = train_vae(load_vae_config(args.config, overrides))
+    print(f"done: {result.steps} steps, {result.tokens_seen:,} images, final loss {result.final_loss:.4f}"
+          + (f", val loss {result.final_val_loss:.4f}" if result.final_val_loss is not None else ""))
+    print(f"VAE: {result.final_model_path}  (latent diffusion with: --diffusion.latent_vae={result.out_dir})")
+
+
 def cmd_diffusion_sample(args) -> None:
     from .diffusion.sampling import generate
 
@@ -1229,6 +1238,12 @@ def build_parser() -> argparse.ArgumentParser:
                                     "any field with --section.key=value. Resumes from the run's last checkpoint.")
     p.add_argument("--config", default=None, help="YAML diffusion config")
     p.set_defaults(func=cmd_diffusion_train, takes_overrides=True)
+    p = diff.add_parser("train-vae", help="train the VAE of latent diffusion (reconstruction + KL) on images",
+                        description="Train a convolutional VAE from a YAML config (sections: vae, data, optim, "
+                                    "schedule, train), e.g. --config src/tokenmind/configs/vae_fashion.yaml; its "
+                                    "scaling factor is calibrated after training. Resumes from the last checkpoint.")
+    p.add_argument("--config", default=None, help="YAML VAE config")
+    p.set_defaults(func=cmd_diffusion_train_vae, takes_overrides=True)
     p = diff.add_parser("sample", help="generate a grid of images from a trained run as a PNG",
                         description="Sample N images of one class (or of every class in turn) with DDPM, DDIM or "
                                     "(flow-matching models) Euler steps and classifier-free guidance.")
