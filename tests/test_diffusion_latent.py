@@ -57,7 +57,7 @@ def test_vae_training_on_the_trainer_lowers_both_terms(trained_vae):
     assert ((decoded - to_model_range(images[:64])) ** 2).sum(dim=(1, 2, 3)).mean() < first
 
 
-def test_vae_resume_equals_uninterrupted(tmp_path):
+def test_vae_resume_equals_uninterrupted(tmp_path, capsys):
     whole = train_vae(vae_config(tmp_path / "whole", steps=6))
     train_vae(vae_config(tmp_path / "split", steps=3, **{"train.checkpoint_every": 3}))
     resumed = train_vae(vae_config(tmp_path / "split", steps=6))
@@ -66,6 +66,10 @@ def test_vae_resume_equals_uninterrupted(tmp_path):
     assert a.cfg == b.cfg
     for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.equal(p, q), name
+    # the CLI on a finished run: nothing left to train, the export is rewritten, no loss to print
+    main(["diffusion", "train-vae", "--config", str(tmp_path / "split" / "config.yaml"), "--train.resume=true"])
+    assert "done: 6 steps, 192 images\n" in capsys.readouterr().out
+    assert load_vae(tmp_path / "split" / "final").cfg == b.cfg
 
 
 def latent_config(out_dir, vae_dir, **overrides):

@@ -694,13 +694,19 @@ def cmd_tokenizer_train(args) -> None:
     print(json.dumps(report, indent=2))
 
 
+def print_image_run(result) -> None:
+    """One line on a finished image training run (a resumed run that was already done has no loss)."""
+    losses = [f"{name} {value:.4f}" for name, value in (("final loss", result.final_loss),
+                                                        ("val loss", result.final_val_loss)) if value is not None]
+    print(f"done: {result.steps} steps, {result.tokens_seen:,} images" + "".join(f", {x}" for x in losses))
+
+
 def cmd_diffusion_train(args, overrides: list[str]) -> None:
     from .diffusion.config import load_config
     from .diffusion.train import train_diffusion
 
     result = train_diffusion(load_config(args.config, overrides))
-    print(f"done: {result.steps} steps, {result.tokens_seen:,} images, final loss {result.final_loss:.4f}"
-          + (f", val loss {result.final_val_loss:.4f}" if result.final_val_loss is not None else ""))
+    print_image_run(result)
     print(f"model: {result.final_model_path}  (sample with: tokenmind diffusion sample --model {result.out_dir})")
 
 
@@ -708,8 +714,7 @@ def cmd_diffusion_train_vae(args, overrides: list[str]) -> None:
     from .diffusion.vae_train import load_vae_config, train_vae
 
     result = train_vae(load_vae_config(args.config, overrides))
-    print(f"done: {result.steps} steps, {result.tokens_seen:,} images, final loss {result.final_loss:.4f}"
-          + (f", val loss {result.final_val_loss:.4f}" if result.final_val_loss is not None else ""))
+    print_image_run(result)
     print(f"VAE: {result.final_model_path}  (latent diffusion with: --diffusion.latent_vae={result.out_dir})")
 
 
