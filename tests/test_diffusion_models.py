@@ -31,7 +31,7 @@ from tokenmind.diffusion.fid import (
     train_classifier,
 )
 from tokenmind.diffusion.unet import UNet, UNetConfig, load_unet, save_unet
-from tokenmind.diffusion.vae import VAE, VAEConfig, VAEObjective, load_vae, save_vae, train_vae
+from tokenmind.diffusion.vae import VAE, VAEConfig, VAEObjective, load_vae
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -203,28 +203,6 @@ def test_vae_loss_terms_are_the_formulas():
     zero = torch.zeros(1, 2, 4, 4)
     assert type(posterior)(zero, zero).kl().item() == 0.0
     torch.testing.assert_close(type(posterior)(zero + 2, zero).kl(), torch.tensor([2.0 * 32]))
-
-
-def test_vae_training_reduces_the_loss_on_digits(digits, tmp_path):
-    images, _ = digits
-    cfg = VAEConfig(sample_size=8, channel_mults=(1, 2), base_channels=16, latent_channels=2)
-    model, history = train_vae(images, cfg, steps=40, batch_size=32, lr=2e-3, kl_weight=1e-2)
-    def mean(key: str, rows: list[dict]) -> float:
-        return float(np.mean([h[key] for h in rows]))
-
-    first, last = mean("reconstruction", history[:5]), mean("reconstruction", history[-5:])
-    assert last < 0.5 * first and mean("loss", history[-5:]) < 0.5 * mean("loss", history[:5]), (first, last)
-    assert all(np.isfinite(h["loss"]) and h["kl"] >= 0 for h in history)
-    # the scaling factor brings the latents to unit variance
-    latents = model.to_latents(images[:512], torch.Generator().manual_seed(1))
-    assert model.cfg.scaling_factor != 1.0 and 0.8 < latents.std().item() < 1.25
-    with torch.no_grad():
-        decoded = model.from_latents(model.to_latents(images[:64]))
-    assert ((decoded - images[:64]) ** 2).sum(dim=(1, 2, 3)).mean() < first
-    save_vae(model, tmp_path / "vae")
-    loaded = load_vae(tmp_path / "vae")
-    assert loaded.cfg == model.cfg
-    torch.testing.assert_close(loaded.to_latents(images[:8]), model.to_latents(images[:8]), atol=0, rtol=0)
 
 
 # ---- FID ------------------------------------------------------------------------------------------

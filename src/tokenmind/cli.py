@@ -694,13 +694,19 @@ def cmd_tokenizer_train(args) -> None:
     print(json.dumps(report, indent=2))
 
 
+def print_image_run(result) -> None:
+    """One line on a finished image training run (a resumed run that was already done has no loss)."""
+    losses = [f"{name} {value:.4f}" for name, value in (("final loss", result.final_loss),
+                                                        ("val loss", result.final_val_loss)) if value is not None]
+    print(f"done: {result.steps} steps, {result.tokens_seen:,} images" + "".join(f", {x}" for x in losses))
+
+
 def cmd_diffusion_train(args, overrides: list[str]) -> None:
     from .diffusion.config import load_config
     from .diffusion.train import train_diffusion
 
     result = train_diffusion(load_config(args.config, overrides))
-    print(f"done: {result.steps} steps, {result.tokens_seen:,} images, final loss {result.final_loss:.4f}"
-          + (f", val loss {result.final_val_loss:.4f}" if result.final_val_loss is not None else ""))
+    print_image_run(result)
     print(f"model: {result.final_model_path}  (sample with: tokenmind diffusion sample --model {result.out_dir})")
 
 
@@ -708,6 +714,14 @@ def cmd_diffusion_speedrun(args, overrides: list[str]) -> None:
     from .diffusion.speedrun import load_speedrun_config, speedrun
 
     print(f"report: {speedrun(load_speedrun_config(args.config, overrides))}")
+
+
+def cmd_diffusion_train_vae(args, overrides: list[str]) -> None:
+    from .diffusion.vae_train import load_vae_config, train_vae
+
+    result = train_vae(load_vae_config(args.config, overrides))
+    print_image_run(result)
+    print(f"VAE: {result.final_model_path}  (latent diffusion with: --diffusion.latent_vae={result.out_dir})")
 
 
 def cmd_diffusion_sample(args) -> None:
@@ -1235,6 +1249,12 @@ def build_parser() -> argparse.ArgumentParser:
                                     "any field with --section.key=value. Resumes from the run's last checkpoint.")
     p.add_argument("--config", default=None, help="YAML diffusion config")
     p.set_defaults(func=cmd_diffusion_train, takes_overrides=True)
+    p = diff.add_parser("train-vae", help="train the VAE of latent diffusion (reconstruction + KL) on images",
+                        description="Train a convolutional VAE from a YAML config (sections: vae, data, optim, "
+                                    "schedule, train), e.g. --config src/tokenmind/configs/vae_fashion.yaml; its "
+                                    "scaling factor is calibrated after training. Resumes from the last checkpoint.")
+    p.add_argument("--config", default=None, help="YAML VAE config")
+    p.set_defaults(func=cmd_diffusion_train_vae, takes_overrides=True)
     p = diff.add_parser("sample", help="generate a grid of images from a trained run as a PNG",
                         description="Sample N images of one class (or of every class in turn) with DDPM, DDIM or "
                                     "(flow-matching models) Euler steps and classifier-free guidance.")

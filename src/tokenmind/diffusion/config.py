@@ -57,6 +57,8 @@ class DiffusionSection:
     t_sampling/logit_mean/logit_std: flow's training times, uniform or logit-normal.
     clip_sample/timestep_spacing: DDPM/DDIM sampling (x̂₀ clipped to [−1, 1]; which of the T steps
         n sampling steps visit, trailing starts at pure noise). shift: the Euler grid's timestep shift.
+    latent_vae: a trained VAE (`tokenmind diffusion train-vae` run) whose scaled latents the model
+        learns instead of pixels (latent diffusion, `latent.py`); empty for pixel diffusion.
     """
 
     objective: str = "ddpm"
@@ -72,6 +74,7 @@ class DiffusionSection:
     clip_sample: bool = True
     timestep_spacing: str = "trailing"
     shift: float = 1.0
+    latent_vae: str = ""
 
     def __post_init__(self) -> None:
         _choice("diffusion", "objective", self.objective, OBJECTIVES)
@@ -86,6 +89,9 @@ class DiffusionSection:
         _check(0 <= self.cfg_dropout < 1, f"diffusion.cfg_dropout must be in [0, 1), got {self.cfg_dropout}")
         _check(self.logit_std > 0, f"diffusion.logit_std must be > 0, got {self.logit_std}")
         _check(self.shift > 0, f"diffusion.shift must be > 0 (1 = no shift), got {self.shift}")
+        _check(not (self.latent_vae and self.objective == "ddpm" and self.clip_sample),
+               "diffusion.clip_sample clips x̂₀ to the pixel range [-1, 1], which cuts off latents of unit variance; "
+               "set diffusion.clip_sample=false with diffusion.latent_vae")
 
 
 @dataclass

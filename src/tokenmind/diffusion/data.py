@@ -173,7 +173,8 @@ class ImageBatch:
 
 
 class ImageLoader:
-    """Endless batches of whole images, in a seeded permutation per epoch (or in order), each rank
+    """Endless batches of whole images (uint8 scaled to [−1, 1], or float ones as they are: latents),
+    in a seeded permutation per epoch (or in order), each rank
     taking every world_size-th image; the last partial batch of an epoch is dropped. Its state is
     (epoch, position), so a resumed run continues with the very same batches."""
 
@@ -207,7 +208,9 @@ class ImageLoader:
         rows = self._order[self.position * self.batch_size:(self.position + 1) * self.batch_size]
         noise_seed = int(np.random.SeedSequence([self.seed, self.rank, self.epoch, self.position]).generate_state(1)[0])
         self.position += 1
-        return ImageBatch(to_model_range(self.images[rows], self.pad_to), self.labels[rows], noise_seed)
+        images = self.images[rows]  # float images (a latent diffusion run's latents) are the model's data as is
+        return ImageBatch(images if images.is_floating_point() else to_model_range(images, self.pad_to),
+                          self.labels[rows], noise_seed)
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "position": self.position}

@@ -24,7 +24,8 @@ from tokenmind.progress import Bars
 from tokenmind.train.objectives import autocast
 
 from .config import DiffusionConfig
-from .data import class_names, image_shape
+from .data import class_names
+from .latent import data_shape, decoder
 from .schedules import DDIMScheduler, DDPMScheduler, FlowMatchEulerScheduler, gaussian_like
 from .train import ModelFactory, load_diffusion_model, noise_schedule
 
@@ -167,6 +168,7 @@ def generate(model_dir: str | Path, out: str | Path, class_name: str | None = No
     labels = torch.full((n,), class_label(cfg, class_name)) if class_name else torch.arange(n) % num_classes
     scheduler = make_scheduler(cfg, sampler, eta)
     generator = torch.Generator().manual_seed(seed)
-    images = sample(model, scheduler, (n, *image_shape(cfg.data.dataset, cfg.data.pad_to)), labels, steps,
-                    guidance_scale, generator, num_classes=num_classes, progress=progress)
-    return save_grid(images, out, scale=4)
+    shape = data_shape(cfg.data.dataset, cfg.data.pad_to, cfg.diffusion.latent_vae)  # pixels or latents
+    samples = sample(model, scheduler, (n, *shape), labels, steps, guidance_scale, generator,
+                     num_classes=num_classes, progress=progress)
+    return save_grid(decoder(cfg.diffusion.latent_vae, device)(samples), out, scale=4)

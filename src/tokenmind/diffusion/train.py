@@ -12,7 +12,9 @@ The export `run_dir/final/` holds `model.safetensors` and `config.json` (the res
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,8 +28,9 @@ from tokenmind.train.distributed import DistContext, init_distributed, model_sta
 from tokenmind.train.objectives import Objective
 from tokenmind.train.trainer import Trainer, TrainResult
 
-from .config import DiffusionConfig, load_config
-from .data import ImageLoader, class_names, image_shape, load_split
+from .config import DiffusionConfig, ImageDataSection, load_config
+from .data import ImageLoader, class_names, load_split
+from .latent import data_shape, find_vae, latent_split
 from .objectives import DenoisingObjective, FlowMatchingObjective
 from .schedules import NoiseSchedule
 
@@ -38,7 +41,7 @@ def build_model(cfg: DiffusionConfig) -> nn.Module:
     """The network `cfg.model.kind` names (`DiT` or `UNet`), its config made of cfg.model.options plus
     what the data decide: sample_size, in_channels, num_classes. Called as model(x (B, C, H, W),
     t (B,), labels (B,) or None) → (B, C, H, W), the label num_classes meaning "no class"."""
-    channels, size, _ = image_shape(cfg.data.dataset, cfg.data.pad_to)
+    channels, size, _ = data_shape(cfg.data.dataset, cfg.data.pad_to, cfg.diffusion.latent_vae)
     decided = {"sample_size": size, "in_channels": channels, "num_classes": len(class_names(cfg.data.dataset))}
     clash = sorted(set(decided) & set(cfg.model.options))
     if clash:
@@ -86,19 +89,25 @@ class DiffusionTrainer(Trainer):
         return path
 
 
+def image_loaders(data: ImageDataSection, ctx: DistContext, vae: str = "") -> tuple[ImageLoader, ImageLoader]:
+    """Loaders over the train and test splits of `data`: the images, or their cached latents under
+    the VAE at `vae` (encoded from the padded images, so not padded again)."""
+    pad_to = 0 if vae else data.pad_to
+    loaders = []
+    for split, seed, shuffle in (("train", data.seed, data.shuffle), ("test", data.seed + 1, False)):
+        images, labels = latent_split(vae, data.dataset, split, data.pad_to) if vae else load_split(data.dataset, split)
+        loaders.append(ImageLoader(images, labels, data.batch_size, seed=seed, shuffle=shuffle, pad_to=pad_to,
+                                   rank=ctx.rank, world_size=ctx.world_size))
+    return loaders[0], loaders[1]
+
+
 def build_diffusion_trainer(cfg: DiffusionConfig, ctx: DistContext, model_factory: ModelFactory | None = None,
                             objective: Objective | None = None) -> DiffusionTrainer:
     """Loaders over the data set's train and test splits, the model (initialized from train.seed)
     and the objective (cfg's, or another such as distillation's), wired into the trainer."""
-    data = cfg.data
-    images, labels = load_split(data.dataset, "train")
-    loader = ImageLoader(images, labels, data.batch_size, seed=data.seed, shuffle=data.shuffle, pad_to=data.pad_to,
-                         rank=ctx.rank, world_size=ctx.world_size)
-    val_images, val_labels = load_split(data.dataset, "test")
-    val_loader = ImageLoader(val_images, val_labels, data.batch_size, seed=data.seed + 1, shuffle=False,
-                             pad_to=data.pad_to, rank=ctx.rank, world_size=ctx.world_size)
     torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
-    model = (model_factory or build_model)(cfg)
+    model = (model_factory or build_model)(cfg)  # first: it checks that a latent_vae fits the data
+    loader, val_loader = image_loaders(cfg.data, ctx, cfg.diffusion.latent_vae)
     return DiffusionTrainer(cfg, ctx, model, loader, val_loader, objective=objective or build_objective(cfg))
 
 
@@ -110,10 +119,13 @@ def train_diffusion(cfg: DiffusionConfig, model_factory: ModelFactory | None = N
 
 
 def save_diffusion_model(state: dict[str, torch.Tensor], cfg: DiffusionConfig, path: str | Path) -> Path:
-    """Write a model's weights and its run config as `path/{model.safetensors,config.json}`, atomically."""
+    """Write a model's weights and its run config as `path/{model.safetensors,config.json}`, atomically;
+    a latent model's VAE is copied to `path/vae/`, so the folder samples on its own."""
     with atomic_directory(path) as tmp:
         (tmp / "config.json").write_text(json.dumps(config_dict(cfg), indent=2) + "\n", encoding="utf-8")
         save_file({k: v.detach().contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
+        if cfg.diffusion.latent_vae:
+            shutil.copytree(find_vae(cfg.diffusion.latent_vae), tmp / "vae", ignore=shutil.ignore_patterns("latents"))
     return Path(path)
 
 
@@ -138,6 +150,8 @@ def load_diffusion_model(path: str | Path, model_factory: ModelFactory | None = 
         raise FileNotFoundError(f"{path} holds no trained diffusion model (model.safetensors + config.json); "
                                 "pass the run folder of `tokenmind diffusion train` or its final/ folder")
     cfg = load_config(found / "config.json")  # JSON is YAML
+    if (found / "vae").is_dir():  # a latent model decodes with the copy of its VAE
+        cfg = dataclasses.replace(cfg, diffusion=dataclasses.replace(cfg.diffusion, latent_vae=str(found / "vae")))
     model = (model_factory or build_model)(cfg)
     model.load_state_dict(load_file(str(found / "model.safetensors")))
     return model.to(device).eval(), cfg

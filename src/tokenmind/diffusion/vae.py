@@ -32,9 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenmind.train.config import OptimSection
 from tokenmind.train.objectives import LossTerms, autocast
-from tokenmind.train.optim import build_optimizer
 
 from .unet import ResBlock
 from .weights import read_weights_dir, save_weights_dir
@@ -173,37 +171,6 @@ class VAEObjective:
 
     def compiled(self) -> VAEObjective:
         return VAEObjective(self.kl_weight, torch.compile(vae_loss))
-
-
-def train_vae(images: torch.Tensor, cfg: VAEConfig, *, steps: int, batch_size: int = 64, lr: float = 1e-3,
-              kl_weight: float = 1e-3, seed: int = 0, log_every: int = 0) -> tuple[VAE, list[dict[str, float]]]:
-    """Train a VAE on `images` (float (N, C, H, W) in [−1, 1]) with AdamW, then calibrate its
-    scaling factor on them. Returns (the VAE, per-step {"loss", "reconstruction", "kl"} per image).
-
-    A small loop of its own: the `Trainer`'s export and throughput metrics are the LLM's; this
-    trains on `VAEObjective`'s math (`vae_loss`) so the Trainer can run the same objective."""
-    if images.ndim != 4 or not images.is_floating_point():
-        raise ValueError(f"train_vae takes float (N, C, H, W) images in [-1, 1], got {images.dtype} "
-                         f"{tuple(images.shape)}; convert uint8 images with /127.5 - 1 first")
-    torch.manual_seed(seed)
-    model = VAE(cfg)
-    optimizer = build_optimizer(model, OptimSection(lr=lr, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0))
-    generator = torch.Generator().manual_seed(seed)
-    history = []
-    for step in range(1, steps + 1):
-        rows = torch.randint(len(images), (batch_size,), generator=generator)
-        reconstruction, kl = vae_loss(model, images[rows], generator)
-        loss = (reconstruction + kl_weight * kl) / batch_size
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        history.append({"loss": loss.item(), "reconstruction": reconstruction.item() / batch_size,
-                        "kl": kl.item() / batch_size})
-        if log_every and step % log_every == 0:
-            print(f"vae step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in history[-1].items()), flush=True)
-    calibrate_scaling_factor(model.eval(), images[:1024], generator)
-    return model, history
 
 
 @torch.no_grad()

@@ -29,6 +29,7 @@ from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 from fastapi.staticfiles import StaticFiles
 
 from ..diffusion.data import class_names, image_shape
+from ..diffusion.latent import data_shape, decoder
 from ..diffusion.sampling import class_label, encode_png, make_scheduler, sample
 from ..diffusion.train import load_diffusion_model
 from ..engine.outputs import EngineStats
@@ -52,8 +53,11 @@ class ImageService:
         self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenmind-images")
         self.model, self.cfg = self.worker.submit(load_diffusion_model, config.model).result()
         self.classes = class_names(self.cfg.data.dataset)
-        self.shape = image_shape(self.cfg.data.dataset, self.cfg.data.pad_to)
-        self.size = f"{self.shape[2]}x{self.shape[1]}"  # OpenAI's WIDTHxHEIGHT
+        d = self.cfg.diffusion
+        self.shape = data_shape(self.cfg.data.dataset, self.cfg.data.pad_to, d.latent_vae)  # pixels or latents
+        self.decode = decoder(d.latent_vae)
+        _, height, width = image_shape(self.cfg.data.dataset, self.cfg.data.pad_to)
+        self.size = f"{width}x{height}"  # OpenAI's WIDTHxHEIGHT
         self.sampler = SAMPLER[self.cfg.diffusion.objective]
         self.admission = Admission(1 + config.max_queue, config.retry_after)  # one batch runs, max_queue wait
         self.metrics = Metrics(IMAGE_ENDPOINTS)
@@ -120,7 +124,7 @@ class ImageService:
         labels = torch.full((body.n,), label)
         images = sample(self.model, make_scheduler(self.cfg, self.sampler), (body.n, *self.shape), labels,
                         body.steps, body.guidance_scale, generator, num_classes=len(self.classes))
-        return encode_png(images)
+        return encode_png(self.decode(images))
 
     async def generate(self, request: Request) -> dict:
         body = parse_body(await request.body(), request.headers.get("content-type"), ImageGenerationRequest)
