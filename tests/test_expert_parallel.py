@@ -8,7 +8,6 @@ the test process (as in test_train_distributed.py).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from test_train_distributed import free_port, losses
+from test_train_distributed import free_port, gloo_rank, losses
 from test_train_helpers import crash_then_resume, one_thread, tiny_config, write_shards  # noqa: F401 (one_thread: autouse)
 
 from tokenmind.jsonl import read_jsonl
@@ -55,15 +54,9 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 def worker(rank: int, port: int, shards: Path, root: Path) -> None:
     """Each rank: join the group the way torchrun would; one forward and backward; training runs."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    try:
+    with gloo_rank(rank, WORLD, port):
         forward_backward(rank, root)
         train_runs(shards, root)
-    finally:
-        dist.destroy_process_group()
 
 
 def forward_backward(rank: int, root: Path) -> None:

@@ -9,15 +9,13 @@ references and comparisons run in the test process (as in test_expert_parallel.p
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from test_train_distributed import free_port, losses
+from test_train_distributed import free_port, gloo_rank, losses
 from test_train_helpers import crash_then_resume, one_thread, tiny_config, write_shards  # noqa: F401 (one_thread: autouse)
 
 from tokenmind.data.loader import TokenBatch
@@ -62,11 +60,7 @@ def batch() -> TokenBatch:
 
 
 def worker(rank: int, port: int, shards: Path, root: Path) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    try:
+    with gloo_rank(rank, WORLD, port):
         tensor_parallel_step(rank, root)
         pipeline_step(rank, root)
         for kind in ("tp", "pp"):
@@ -75,8 +69,6 @@ def worker(rank: int, port: int, shards: Path, root: Path) -> None:
             crash_then_resume(tiny_config(shards, root / f"{kind}_resumed", *cfg), crash_in_step=4)
         pretrain(tiny_config(shards, root / "pp_gpipe", "--train.distributed=pp", "--train.pipeline_schedule=gpipe",
                              "--train.pipeline_microbatches=4", "--model.tie_word_embeddings=true", *RUN))
-    finally:
-        dist.destroy_process_group()
 
 
 def full_grads(m: torch.nn.Module) -> dict[str, torch.Tensor]:

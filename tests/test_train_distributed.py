@@ -8,8 +8,10 @@ process.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,13 +37,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_scenarios(rank: int, world_size: int, port: int, shards: Path, root: Path) -> None:
-    """Each rank: join the group the way torchrun would, then train every scenario."""
+@contextlib.contextmanager
+def gloo_rank(rank: int, world_size: int, port: int) -> Iterator[None]:
+    """This spawned process joins a gloo group as rank `rank`, the way torchrun would set it up
+    (environment variables, one thread), and leaves it at the end."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def run_scenarios(rank: int, world_size: int, port: int, shards: Path, root: Path) -> None:
+    """Each rank: join the group the way torchrun would, then train every scenario."""
+    with gloo_rank(rank, world_size, port):
         half = ["--data.batch_size=2", *STEPS]
         pretrain(tiny_config(shards, root / "ddp", "--train.distributed=ddp", *half))
         pretrain(tiny_config(shards, root / "fsdp", "--train.distributed=fsdp", *half))
@@ -50,8 +62,6 @@ def run_scenarios(rank: int, world_size: int, port: int, shards: Path, root: Pat
 
         crash_then_resume(tiny_config(shards, root / "fsdp_resumed", "--train.distributed=fsdp", *half),
                           crash_in_step=4)
-    finally:
-        dist.destroy_process_group()
 
 
 def losses(out_dir: Path) -> list[float]:
