@@ -14,7 +14,7 @@ LAYERS = [
     ["tokenmind.model"],
     ["tokenmind.engine"],
     ["tokenmind.train"],
-    ["tokenmind.eval", "tokenmind.posttrain", "tokenmind.diffusion"],
+    ["tokenmind.eval", "tokenmind.posttrain", "tokenmind.diffusion", "tokenmind.vision", "tokenmind.embodied"],
     ["tokenmind.chat", "tokenmind.serve", "tokenmind.speedrun", "tokenmind.apps"],
     ["tokenmind.cli", "tokenmind"],  # the front door and the command line
 ]
