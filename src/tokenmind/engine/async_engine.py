@@ -33,6 +33,7 @@ from typing import Any
 from ..model.load import Pretrained
 from .llm import LLM, Engine, EngineStats, RequestOutput
 from .sampling import SamplingParams
+from .sequence import PromptEmbeds
 from .structured import GrammarCompiler
 
 
@@ -101,14 +102,15 @@ class AsyncEngine:
     # ----------------------------------------------------------------- the asyncio side
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None, adapter: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream one request's outputs until it finishes (with LoRA `adapter`, if named); leaving
-        the loop early aborts it."""
+                       request_id: str | None = None, adapter: str | None = None,
+                       prompt_embeds: list[PromptEmbeds | tuple] | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs until it finishes (with LoRA `adapter`, if named, and the
+        `prompt_embeds` of `Engine.add_request`); leaving the loop early aborts it."""
         request_id = uuid.uuid4().hex if request_id is None else request_id
         loop, outputs = asyncio.get_running_loop(), asyncio.Queue()
 
         def add() -> None:
-            self.engine.add_request(prompt, params, request_id, adapter)
+            self.engine.add_request(prompt, params, request_id, adapter, prompt_embeds)
             self._streams[request_id] = (loop, outputs)
 
         try:

@@ -7,7 +7,8 @@ way share the full blocks of that common prefix (prefix caching). A block that w
 while shared is first copied (copy-on-write), so no sequence ever changes another's context.
 
 Prefix cache: once all of a full block's tokens have their k/v computed, the block is keyed by a
-hash of its tokens chained with the previous block's key, so equal keys mean equal prefixes.
+hash of its tokens (and of any prompt embeddings given for them) chained with the previous block's
+key, so equal keys mean equal prefixes.
 Freed blocks keep their key and stay reusable until the pool runs out of uncached free blocks;
 then the least recently freed cached block is evicted (LRU).
 
@@ -28,11 +29,21 @@ if TYPE_CHECKING:
     from .sequence import Sequence
 
 
-def block_hash(prev: bytes | None, tokens: Seq[int]) -> bytes:
-    """Key of a full block: its tokens and the key of the block before it (128-bit BLAKE2b)."""
+def block_hash(prev: bytes | None, tokens: Seq[int], embeds: bytes = b"") -> bytes:
+    """Key of a full block: its tokens, the key of the block before it, and what of it comes from
+    prompt embeddings (`Sequence.embeds_key`: an image's placeholder tokens are the same for every
+    image) — 128-bit BLAKE2b."""
     h = hashlib.blake2b(prev or b"", digest_size=16)
     h.update(array("q", tokens).tobytes())
+    if embeds:
+        h.update(embeds)
     return h.digest()
+
+
+def sequence_block_hash(seq: Sequence, prev: bytes | None, i: int, block_size: int) -> bytes:
+    """Key of the sequence's block `i` chained after `prev`."""
+    a, b = i * block_size, (i + 1) * block_size
+    return block_hash(prev, seq.token_ids[a:b], seq.embeds_key(a, b) if seq.embeds else b"")
 
 
 class BlockManager:
@@ -90,7 +101,7 @@ class BlockManager:
             return []
         bs, matched, key = self.block_size, [], seq.cache_salt
         for i in range((seq.num_tokens - 1) // bs):
-            key = block_hash(key, seq.token_ids[i * bs:(i + 1) * bs])
+            key = sequence_block_hash(seq, key, i, bs)
             block = self.cached.get(key)
             if block is None:
                 break
@@ -158,7 +169,7 @@ class BlockManager:
             if self.block_keys[block] is not None:  # a shared or cache-hit block, keyed already
                 continue
             prev = self.block_keys[seq.block_table[i - 1]] if i else seq.cache_salt
-            key = block_hash(prev, seq.token_ids[i * bs:(i + 1) * bs])
+            key = sequence_block_hash(seq, prev, i, bs)
             self.block_keys[block] = key
             self.cached.setdefault(key, block)  # a twin computed concurrently keeps serving the key
 

@@ -31,7 +31,7 @@ from .outputs import CompletionOutput, EngineStats, RequestOutput, TokenLogprob
 from .sampler import sample_batch, token_logprobs
 from .sampling import SamplingParams
 from .scheduler import Scheduler
-from .sequence import Sequence
+from .sequence import PromptEmbeds, Sequence
 from .speculative import DraftModelProposer, HiddenStateProposer, MTPProposer, make_proposer, spec_logprobs, verify
 from .structured import GrammarCompiler, advance
 
@@ -134,9 +134,12 @@ class Engine:
         return [int(t) for t in prompt]
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, adapter: str | None = None) -> str:
+                    request_id: str | None = None, adapter: str | None = None,
+                    prompt_embeds: Iterable[PromptEmbeds | tuple] | None = None) -> str:
         """Queue a request; returns its id. Requests that could never run are rejected here.
-        adapter: one of the model's LoRA adapters to run it with (None: the base model)."""
+        adapter: one of the model's LoRA adapters to run it with (None: the base model).
+        prompt_embeds: input embeddings for some prompt positions instead of their tokens' (an image's
+        features at its placeholder tokens): `PromptEmbeds`, or (start, (n, hidden) tensor[, key])."""
         params = params or SamplingParams()
         if adapter is not None and adapter not in self.runner.adapters:
             raise ValueError(f"unknown LoRA adapter {adapter!r}; this engine's model has "
@@ -146,9 +149,10 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running; use a unique id")
         max_len = self.check_request(ids, params)
+        embeds = self.check_embeds(ids, prompt_embeds)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         seq = Sequence(request_id, ids, params, stop_ids, max_len, device=self.runner.device)
-        seq.adapter = adapter
+        seq.adapter, seq.embeds = adapter, embeds
         seq.stream = self._new_stream(params)
         if params.use_beam_search:  # beams are detokenized once, when the search is over
             seq.beam, seq.stream = BeamSearch(params, max_len - len(ids), stop_ids), OutputStream(None, [])
@@ -190,6 +194,28 @@ class Engine:
             raise ValueError(f"{what} of {max_len} tokens needs {need} KV blocks but the pool has {pool}; lower "
                              "max_tokens (or num_beams) or give the engine more KV cache memory")
         return max_len
+
+    def check_embeds(self, prompt_ids: list[int], prompt_embeds: Iterable[PromptEmbeds | tuple] | None
+                     ) -> list[PromptEmbeds]:
+        """The request's prompt embeddings in position order, on the model's device and dtype; raise
+        ValueError naming the fix if they do not fit the prompt or the model (safe from any thread)."""
+        hidden, weight = self.model.cfg.hidden_size, self.model.embed_tokens.weight
+        embeds = []
+        for e in prompt_embeds or ():
+            e = e if isinstance(e, PromptEmbeds) else PromptEmbeds(*e)
+            if e.values.shape[1] != hidden:
+                raise ValueError(f"prompt embeddings must have the model's hidden size {hidden}; got "
+                                 f"{tuple(e.values.shape)}")
+            if e.stop > len(prompt_ids):
+                raise ValueError(f"prompt embeddings for positions {e.start}..{e.stop - 1} run past the prompt's "
+                                 f"{len(prompt_ids)} tokens; give one placeholder token per embedding row")
+            embeds.append(PromptEmbeds(e.start, e.values.to(weight.device, weight.dtype), e.key))
+        embeds.sort(key=lambda e: e.start)
+        for before, after in zip(embeds, embeds[1:]):
+            if after.start < before.stop:
+                raise ValueError(f"prompt embeddings overlap at positions {after.start}..{before.stop - 1}; give "
+                                 "each position at most once")
+        return embeds
 
     def _new_stream(self, params: SamplingParams) -> OutputStream:
         decoder = self.tokenizer.stream_decoder(skip_special_tokens=True) if self.tokenizer is not None else None
@@ -531,10 +557,12 @@ class LLM:
         """Forget cached prompt prefixes after the model's weights changed (`Engine.reset_prefix_cache`)."""
         self.engine.reset_prefix_cache()
 
-    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
+               prompt_embeds: list[PromptEmbeds | tuple] | None = None) -> Iterator[RequestOutput]:
         """One request's outputs, one per step with new tokens (`new_text`, `new_token_ids`), the last
-        one finished. Stopping the iteration early aborts the request."""
-        request_id = self.engine.add_request(prompt, params)
+        one finished. Stopping the iteration early aborts the request. `prompt_embeds`: as in
+        `Engine.add_request`."""
+        request_id = self.engine.add_request(prompt, params, prompt_embeds=prompt_embeds)
         finished = False
         try:
             while not finished:
@@ -548,21 +576,28 @@ class LLM:
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None,
-                 progress: bool | None = None, adapter: str | None = None) -> list[RequestOutput]:
+                 progress: bool | None = None, adapter: str | None = None,
+                 prompt_embeds: list[list[PromptEmbeds | tuple] | None] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (text, or token ids) and return the outputs in prompt order.
 
         `progress`: a progress bar on stderr; None = only for several prompts on a terminal.
         `adapter`: the model's LoRA adapter every request runs with (None: the base model).
+        `prompt_embeds`: one list (or None) per prompt, as in `Engine.add_request` — the images of a
+        vision-language model's prompts, say.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; give one or one each")
+        embeds_list = [None] * len(prompts) if prompt_embeds is None else prompt_embeds
+        if len(embeds_list) != len(prompts):
+            raise ValueError(f"got {len(embeds_list)} prompt_embeds lists for {len(prompts)} prompts; give one each "
+                             "(None for a prompt without)")
         ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, params_list):
-                ids.append(self.engine.add_request(prompt, p, adapter=adapter))
+            for prompt, p, embeds in zip(prompts, params_list, embeds_list):
+                ids.append(self.engine.add_request(prompt, p, adapter=adapter, prompt_embeds=embeds))
         except Exception:
             for request_id in ids:
                 self.engine.abort(request_id)

@@ -8,6 +8,8 @@ blocks each sequence reads. The LM head then runs only on the rows someone needs
 of a chunk that completes its sequence's pending tokens (to sample from), every token of a
 verification chunk, none of a mid-prompt chunk. A model with LoRA adapters (`model/lora.py`)
 is told which adapter each token's row runs, so requests for different adapters share the step.
+Where a chunk covers prompt positions with given embeddings (`PromptEmbeds`: an image's features),
+the pass embeds the token ids, overwrites those rows, and runs the layers on the result.
 """
 
 from __future__ import annotations
@@ -64,8 +66,10 @@ class ModelRunner:
     pass's final hidden states (N, hidden), one row per fed token in chunk order: multi-token
     prediction drafts from them."""
 
-    def __init__(self, model: Transformer, num_blocks: int, block_size: int):
-        self.model = model
+    def __init__(self, model: Transformer, num_blocks: int, block_size: int, prompt_embeds: bool = True):
+        """prompt_embeds: splice the sequences' `PromptEmbeds` in (False: a draft model, which has
+        its own embedding width and reads the placeholder token ids)."""
+        self.model, self.prompt_embeds = model, prompt_embeds
         weight = model.embed_tokens.weight
         self.device, self.block_size = weight.device, block_size
         self.kv_cache = PagedKVCache(model.cfg, num_blocks, block_size, dtype=weight.dtype, device=weight.device)
@@ -81,7 +85,7 @@ class ModelRunner:
             self.routing.set_rows([c.seq.adapter for c in chunks for _ in c.token_ids], self.device)
         try:
             with torch.inference_mode():
-                hidden = self.model.hidden_states(input_ids, positions, meta, self.kv_cache)
+                hidden = self._hidden_states(chunks, input_ids, positions, meta)
                 logits = self.model.logits(hidden[0, rows]).float() if rows else hidden.new_empty(0, 0)
             self.hidden = hidden[0]
         finally:
@@ -91,3 +95,31 @@ class ModelRunner:
             offsets.append(at)
             at += {"all": len(chunk.token_ids), "last": 1, "none": 0}[chunk.logits]
         return logits, offsets
+
+    def _hidden_states(self, chunks: list[Chunk], input_ids: torch.Tensor, positions: torch.Tensor,
+                       meta: PagedAttentionMetadata) -> torch.Tensor:
+        """The model's final hidden states (1, N, hidden), with the chunks' prompt embeddings spliced in."""
+        rows, values = overrides(chunks) if self.prompt_embeds else ([], [])
+        if not rows:
+            return self.model.hidden_states(input_ids, positions, meta, self.kv_cache)
+        x = self.model.embed(input_ids)
+        x[0, torch.tensor(rows, device=x.device)] = torch.cat(values).to(x.dtype)
+        return self.model.norm(self.model.run_layers(x, positions, meta, self.kv_cache))
+
+
+def overrides(chunks: list[Chunk]) -> tuple[list[int], list[torch.Tensor]]:
+    """(rows of the flat step, the embedding rows that replace them) for every prompt position with
+    given embeddings that some chunk computes; a chunk may cover any part of an override."""
+    rows: list[int] = []
+    values: list[torch.Tensor] = []
+    first = 0
+    for chunk in chunks:
+        a, b = chunk.start, chunk.start + len(chunk.token_ids)
+        for e in chunk.seq.embeds:
+            lo, hi = max(a, e.start), min(b, e.stop)
+            if lo < hi:
+                rows += range(first + lo - a, first + hi - a)
+                values.append(e.values[lo - e.start:hi - e.start])
+        first += b - a
+    return rows, values
+

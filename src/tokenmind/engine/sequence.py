@@ -5,11 +5,19 @@ it has, how many of those already have their keys/values in the cache (`num_comp
 which blocks hold them (`block_table`). The difference of the first two is the work of its next
 step: a whole prompt (or a chunk of it), a single decode token, or everything again after a
 preemption. Its own `torch.Generator` makes a seeded request reproducible whatever else runs.
+
+A prompt may carry `PromptEmbeds`: rows of input embeddings given for some of its positions (an
+image's projected features at its placeholder tokens) instead of looked up from the token ids. The
+runner splices them in whenever a step computes those positions — a chunk of a split prefill, or a
+recompute after preemption — and the prefix cache keys a block by them as well as by its tokens.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 import time
+from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any
 
@@ -17,6 +25,40 @@ import torch
 
 from .outputs import TokenLogprob
 from .sampling import SamplingParams, make_generator
+
+
+@dataclass(frozen=True)
+class PromptEmbeds:
+    """Input embeddings (n, hidden) for prompt positions start..start + n - 1, replacing what the
+    model's `embed` gives their token ids (the rows the first layer reads, after any embedding scale).
+
+    `key` names the content for the prefix cache: blocks that hold these positions are keyed by it,
+    so equal tokens with different embeddings never share k/v. By default it is a digest of the
+    tensor; a caller may pass one of its own source instead (the server: a digest of the image bytes).
+    """
+
+    start: int
+    values: torch.Tensor
+    key: bytes = field(default=b"")
+
+    def __post_init__(self):
+        if self.values.dim() != 2:
+            raise ValueError(f"prompt embeddings must be (n, hidden); got shape {tuple(self.values.shape)}")
+        if self.start < 0:
+            raise ValueError(f"prompt embeddings start at a prompt position >= 0; got {self.start}")
+        if not self.key:
+            object.__setattr__(self, "key", tensor_digest(self.values))
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.values.shape[0]
+
+
+def tensor_digest(t: torch.Tensor) -> bytes:
+    """128-bit BLAKE2b of a tensor's shape, dtype and bytes."""
+    h = hashlib.blake2b(f"{tuple(t.shape)}{t.dtype}".encode(), digest_size=16)
+    h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.digest()
 
 
 class SequenceStatus(Enum):
@@ -65,6 +107,7 @@ class Sequence:
         self.draft: Any = None
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
         self.adapter: str | None = None  # the LoRA adapter this request runs with (None: the base model)
+        self.embeds: list[PromptEmbeds] = []  # prompt positions whose input embeddings are given, in order
         self.first_scheduled_time: float | None = None  # when it first left the queue
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
@@ -116,7 +159,7 @@ class Sequence:
         child.num_prompt_tokens = self.num_prompt_tokens
         child.num_computed_tokens, child.num_cached_tokens = self.num_computed_tokens, self.num_cached_tokens
         child.status, child.first_scheduled_time = self.status, self.first_scheduled_time
-        child.adapter, child.beam = self.adapter, self.beam
+        child.adapter, child.beam, child.embeds = self.adapter, self.beam, self.embeds
         child.prompt_logprobs = list(self.prompt_logprobs)
         child.matcher = None if self.matcher is None else self.matcher.deep_copy()
         return child
@@ -126,6 +169,16 @@ class Sequence:
         """What a prefix-cache key starts from besides the tokens: k/v computed under one LoRA
         adapter differ from the same tokens' under another."""
         return None if self.adapter is None else b"lora:" + self.adapter.encode()
+
+    def embeds_key(self, start: int, stop: int) -> bytes:
+        """What of positions start..stop - 1 comes from prompt embeddings: the key of each override
+        that overlaps them and where (b"" when none does), for the prefix-cache key of a block."""
+        parts = []
+        for e in self.embeds:
+            a, b = max(e.start, start), min(e.stop, stop)
+            if a < b:
+                parts.append(struct.pack("<3q", a - start, b - start, a - e.start) + e.key)
+        return b"".join(parts)
 
     @property
     def queue_s(self) -> float | None:

@@ -167,7 +167,7 @@ class DraftModelProposer:
     """
 
     def __init__(self, model: Transformer, num_blocks: int, block_size: int):
-        self.runner = ModelRunner(model, num_blocks, block_size)
+        self.runner = ModelRunner(model, num_blocks, block_size, prompt_embeds=False)
         self.vocab_size = model.cfg.vocab_size
         self.max_len = model.cfg.max_position_embeddings
 
