@@ -4,17 +4,27 @@ evaluation; one slow test on the real SmolLM2-135M-Instruct."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
-from test_train_helpers import one_thread  # noqa: F401 (autouse fixture)
+from safetensors.torch import load_file
+from test_train_helpers import Preempted, one_thread  # noqa: F401 (one_thread: autouse fixture)
 
+from tokenmind.data.loader import IGNORE_INDEX, LoaderConfig
+from tokenmind.model.checkpoint import save_hf_dir
 from tokenmind.model.config import ModelConfig
 from tokenmind.model.load import load_model
+from tokenmind.model.lora import lora_layers
 from tokenmind.model.transformer import Transformer
 from tokenmind.tokenizer import Tokenizer
 from tokenmind.tokenizer.train import DEFAULT_SPECIAL_TOKENS, train_bpe
-from tokenmind.vision.vit import ViT, ViTConfig
+from tokenmind.train.checkpoint import latest_checkpoint
+from tokenmind.train.distributed import init_distributed
+from tokenmind.vision.images import to_pixel_values
+from tokenmind.vision.vit import ViT, ViTConfig, load_vit, save_vit
 from tokenmind.vision.vlm import (
     IMAGE_PLACEHOLDER,
     VisionLanguageModel,
@@ -26,7 +36,17 @@ from tokenmind.vision.vlm import (
     render_vlm_chat,
     save_vlm,
 )
-from tokenmind.vision.vlm_data import conversation
+from tokenmind.vision.vlm_data import (
+    VLMLoader,
+    conversation,
+    exact_match,
+    identify_answer,
+    mentioned_class,
+    vlm_examples,
+    yes_no,
+)
+from tokenmind.vision.vlm_eval import eval_vlm, greedy_answers
+from tokenmind.vision.vlm_train import build_vlm_trainer, load_vlm_train_config, train_vlm, VLMTrainConfig
 
 IMAGE_TOKEN = "<image_pad>"
 
@@ -142,3 +162,120 @@ def test_save_and_load_round_trip(tokenizer: Tokenizer, tmp_path) -> None:
     torch.testing.assert_close(plain.model(torch.tensor([[5, 6, 7]])), model.language_model(torch.tensor([[5, 6, 7]])))
     with pytest.raises(FileNotFoundError, match="holds no VLM"):
         load_vlm(tmp_path / "nothing")
+
+
+# ---- instruction data, training stages, evaluation -------------------------------------------------------
+
+
+def test_answers_follow_the_labels() -> None:
+    rng = np.random.default_rng(1)
+    for label in range(10):
+        chat = conversation(label, rng, max_turns=3)
+        assert chat[0]["content"].startswith(f"{IMAGE_PLACEHOLDER}\n")
+        assert sum(IMAGE_PLACEHOLDER in m["content"] for m in chat) == 1
+        for question, reply in zip(chat[::2], chat[1::2]):
+            if question["content"].endswith("Is it footwear?"):
+                assert reply["content"] == ("Yes." if label in (5, 7, 9) else "No.")
+            if question["content"].endswith("What is in this picture?"):
+                assert reply["content"] == identify_answer(label)
+    assert identify_answer(9) == "An ankle boot." and identify_answer(0) == "A t-shirt."
+    assert mentioned_class("This is a t-shirt, not a shirt.") == 0 and mentioned_class("A shirt.") == 6
+    assert mentioned_class("Nothing here.") is None
+    assert exact_match("a Sneaker", "A sneaker.") and not exact_match("A sneaker, maybe.", "A sneaker.")
+    assert yes_no("Yes, it is.") == "yes" and yes_no("No.") == "no" and yes_no("Maybe.") is None
+
+
+def test_the_loader_hands_each_row_its_images_in_placeholder_order(tokenizer: Tokenizer) -> None:
+    model = tiny_vlm(tokenizer)
+    images = torch.randint(0, 256, (12, 28, 28), dtype=torch.uint8)
+    labels = torch.arange(12) % 10
+    examples = vlm_examples(tokenizer, model, labels, 12, seq_len=256, seed=0)
+    loader = VLMLoader(examples, images, LoaderConfig(batch_size=2, seq_len=256, seed=0), 28, 1)
+    batch = next(loader)
+    placeholders = int((batch.input_ids == model.image_token_id).sum())
+    assert placeholders == batch.pixel_values.shape[0] * model.tokens_per_image
+    order = [examples[i].image for row in loader.rows_for_epoch(0)[:2] for i in loader.rows[row]]
+    torch.testing.assert_close(batch.pixel_values, to_pixel_values(images[order], 28, 1))
+    assert (batch.targets[batch.input_ids == model.image_token_id] == IGNORE_INDEX).all()
+    with pytest.raises(ValueError, match="does not fit data.seq_len=20"):
+        vlm_examples(tokenizer, model, labels, 2, seq_len=20, seed=0)
+
+
+@pytest.fixture(scope="module")
+def parts(tokenizer: Tokenizer, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny random LM (with the tokenizer), a tiny ViT classifier and a stage-1 VLM of the two, on disk."""
+    root = tmp_path_factory.mktemp("vlm")
+    lm = save_hf_dir(tiny_lm(tokenizer), root / "lm", tokenizer=tokenizer)
+    vit = save_vit(tiny_vit(num_classes=10), root / "vit")
+    vlm = save_vlm(build_vlm(load_vit(vit), tiny_lm(tokenizer), tokenizer), tokenizer, root / "stage1")
+    return {"lm": lm, "vit": vit, "stage1": vlm}
+
+
+def tiny_train_config(parts: dict[str, Path], out_dir: Path, *overrides: str) -> VLMTrainConfig:
+    """Digits stand in for Fashion-MNIST (same 10 labels, 8×8 resized to 28×28): 4 rows × 256 tokens, fp32."""
+    base = [f"--vlm.language_model={parts['lm']}", f"--vlm.vision={parts['vit']}", f"--vlm.init_from={parts['stage1']}",
+            "--data.dataset=digits", "--data.train_images=48", "--data.val_images=16", "--data.batch_size=4",
+            "--optim.lr=3e-3", "--schedule.warmup_steps=2", "--train.steps=8", "--train.precision=fp32",
+            "--train.eval_batches=2", f"--train.out_dir={out_dir}"]
+    return load_vlm_train_config(None, base + list(overrides))
+
+
+def test_stage_1_trains_the_projector_alone(parts: dict[str, Path], tmp_path: Path) -> None:
+    cfg = tiny_train_config(parts, tmp_path, "--train.steps=16", "--schedule.name=constant")
+    result = train_vlm(cfg)
+    assert np.mean(result.losses[-5:]) < result.losses[0] - 0.02  # a frozen random LM: the projector only nudges it
+    saved = load_file(str(latest_checkpoint(tmp_path / "checkpoints") / "model.safetensors"))
+    assert saved and all(k.startswith("projector.") for k in saved)  # the frozen ViT and LM are not checkpointed
+    trained, _ = load_vlm(result.final_model_path)
+    start = load_vit(parts["vit"])
+    lm = load_model(parts["lm"]).model
+    for a, b in zip(trained.vision.state_dict().values(), start.state_dict().values()):
+        torch.testing.assert_close(a, b)
+    for a, b in zip(trained.language_model.state_dict().values(), lm.state_dict().values()):
+        torch.testing.assert_close(a, b)
+    assert json.loads((tmp_path / "vlm_data.json").read_text())["tokens_per_image"] == 5
+
+
+def test_stage_2_resume_retraces_the_uninterrupted_run(parts: dict[str, Path], tmp_path: Path) -> None:
+    args = ["--vlm.stage=2", "--train.checkpoint_every=4", "--train.keep_last=0", "--train.grad_accum=2",
+            "--data.batch_size=2"]
+    straight = train_vlm(tiny_train_config(parts, tmp_path / "straight", *args))
+    cfg = tiny_train_config(parts, tmp_path / "crashed", *args)
+    trainer = build_vlm_trainer(cfg, init_distributed(cfg.train.distributed, cfg.train.device))
+
+    def die(module, inputs, output):
+        if trainer.step == 5:
+            raise Preempted
+
+    trainer.model.language_model.norm.register_forward_hook(die)
+    with pytest.raises(Preempted):
+        trainer.train()
+    resumed = train_vlm(cfg)
+    assert len(resumed.losses) == 4 and resumed.losses == pytest.approx(straight.losses[4:], abs=1e-6)
+    saved = load_file(str(latest_checkpoint(tmp_path / "crashed" / "checkpoints") / "model.safetensors"))
+    assert any(".adapters." in k for k in saved) and any(k.startswith("projector.") for k in saved)
+    assert not any(k.startswith("vision.") for k in saved)
+    merged, _ = load_vlm(resumed.final_model_path)  # LoRA merged into the saved LM: a plain Transformer again
+    assert not lora_layers(merged.language_model)
+    with pytest.raises(ValueError, match="stage 2 starts from a stage-1 VLM"):
+        load_vlm_train_config(None, ["--vlm.stage=2"])
+
+
+def test_greedy_answers_do_not_depend_on_the_batch(parts: dict[str, Path]) -> None:
+    model, tokenizer = load_vlm(parts["stage1"])
+    images = pixels(3)
+    together = greedy_answers(model, tokenizer, "What is in this picture?", images, max_new_tokens=5)
+    alone = [greedy_answers(model, tokenizer, "What is in this picture?", images[i:i + 1], max_new_tokens=5)[0]
+             for i in range(3)]
+    assert together == alone
+
+
+def test_eval_writes_a_report_with_the_classifier_beside(parts: dict[str, Path], tmp_path: Path) -> None:
+    report = eval_vlm(parts["stage1"], num_images=6, dataset="digits", batch_size=3, out_dir=tmp_path)
+    metrics = report["metrics"]
+    assert set(metrics) == {"identify_exact_match", "identify_class_accuracy", "footwear_yes_no_accuracy",
+                            "caption_keyword_score", "vit_classifier_accuracy"}
+    assert all(0 <= v <= 1 for v in metrics.values()) and 0 <= report["vit_classifier_accuracy_full_test"] <= 1
+    assert json.loads((tmp_path / "vlm_eval.json").read_text())["metrics"] == metrics
+    assert "identify_exact_match" in (tmp_path / "vlm_eval.md").read_text()
+    assert len(report["samples"]) == 6

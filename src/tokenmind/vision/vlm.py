@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,20 +46,6 @@ MODEL_TYPE = "tokenmind-vlm"
 VLM_CONFIG = "vlm_config.json"
 PROJECTOR_WEIGHTS = "projector.safetensors"
 VISION_DIR = "vision"
-
-
-@dataclass
-class VLMConfig:
-    """What ties the parts together. image_token: the special token standing for one image token
-    in the prompt; pool_grid: the patch grid is average-pooled to pool_grid × pool_grid tokens
-    (0: every patch); the class token, when the ViT has one, comes first."""
-
-    image_token: str
-    pool_grid: int = 2
-
-    def __post_init__(self) -> None:
-        if self.pool_grid < 0:
-            raise ValueError(f"pool_grid must be >= 0 (0 keeps every patch), got {self.pool_grid}")
 
 
 def choose_image_token(tokenizer: Tokenizer) -> str:
@@ -173,7 +158,7 @@ class VisionLanguageModel(nn.Module):
     def config(self, tokenizer: Tokenizer) -> dict[str, Any]:
         """The vlm_config.json of this model."""
         token = tokenizer.id_to_token(self.image_token_id)
-        return {"model_type": MODEL_TYPE, **asdict(VLMConfig(token, self.pool_grid)),
+        return {"model_type": MODEL_TYPE, "image_token": token, "pool_grid": self.pool_grid,
                 "image_token_id": self.image_token_id, "tokens_per_image": self.tokens_per_image,
                 "image_placeholder": IMAGE_PLACEHOLDER, "image_size": self.image_size,
                 "image_channels": self.image_channels}
