@@ -21,6 +21,7 @@ import math
 import re
 import unicodedata
 from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from tokenmind.data.quality import QualityConfig, quality_rules
@@ -94,12 +95,21 @@ class BoilerplateIndex:
             return None
         return hashlib.blake2b(line.encode("utf-8"), digest_size=8).digest()
 
-    def observe(self, source: str, text: str) -> None:
-        """First pass: count each distinct line of one (normalized) document once."""
-        self._docs_per_source[source] += 1
+    def line_keys(self, text: str) -> set[bytes]:
+        """The keys of the distinct lines of one (normalized) document that could be boilerplate."""
         keys = {self._key(line) for line in text.split("\n")}
         keys.discard(None)
-        self._line_docs[source].update(keys)
+        return keys  # type: ignore[return-value]
+
+    def observe(self, source: str, text: str) -> None:
+        """First pass: count each distinct line of one (normalized) document once."""
+        self.add_counts(source, 1, self.line_keys(text))
+
+    def add_counts(self, source: str, documents: int, line_docs: Iterable[bytes] | Mapping[bytes, int]) -> None:
+        """Add `documents` documents of `source` and how many of them hold each line key (a
+        mapping, or keys counted once each): the first pass's counts, however they were gathered."""
+        self._docs_per_source[source] += documents
+        self._line_docs[source].update(line_docs)
 
     def strip(self, source: str, text: str) -> str:
         """Second pass: the text without its source's boilerplate lines."""
@@ -155,7 +165,18 @@ class DocumentCleaner:
     def observe(self, doc: Document) -> None:
         """First pass over the corpus (only needed for boilerplate removal)."""
         if self._boilerplate is not None:
-            self._boilerplate.observe(doc.source, normalize_text(doc.text, self.cfg.max_blank_lines))
+            self._boilerplate.add_counts(doc.source, 1, self.boilerplate_keys(doc))
+
+    def boilerplate_keys(self, doc: Document) -> set[bytes]:
+        """The line keys `observe` counts for one document, for counting them elsewhere (the Ray
+        engine sums them across workers and hands the totals to `add_boilerplate_counts`)."""
+        assert self._boilerplate is not None, "boilerplate removal is off"
+        return self._boilerplate.line_keys(normalize_text(doc.text, self.cfg.max_blank_lines))
+
+    def add_boilerplate_counts(self, source: str, documents: int, line_docs: Mapping[bytes, int]) -> None:
+        """The first pass's counts, gathered elsewhere (`BoilerplateIndex.add_counts`)."""
+        assert self._boilerplate is not None, "boilerplate removal is off"
+        self._boilerplate.add_counts(source, documents, line_docs)
 
     def __call__(self, doc: Document) -> Document | None:
         text = normalize_text(doc.text, self.cfg.max_blank_lines)

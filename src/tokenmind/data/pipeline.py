@@ -75,7 +75,10 @@ class DataPipelineConfig:
     worker; start_method is the multiprocessing start method ("spawn" is safe with threads and
     Rust tokenizers in the parent, "fork" starts faster). fim: the fill-in-the-middle rates (off by
     default; needs a tokenizer with FIM tokens). mixture: a weight per input (`mixture.py`); empty
-    takes every input whole, in order."""
+    takes every input whole, in order. engine: "local" runs here (this module); "ray" runs the same
+    stages as Ray Data operations across a cluster (`ray_pipeline.py`, `pip install 'tokenmind[ray]'`)
+    and writes byte-identical shards; ray_address is the cluster to join (None: the one this
+    process already joined, else a new local instance with ray_num_cpus CPUs)."""
 
     reader: ReaderConfig = field(default_factory=ReaderConfig)
     clean: CleanConfig = field(default_factory=CleanConfig)
@@ -90,6 +93,13 @@ class DataPipelineConfig:
     print_report: bool = True
     fim: FIMConfig = field(default_factory=FIMConfig)
     mixture: dict[str, float] = field(default_factory=dict)
+    engine: str = "local"
+    ray_address: str | None = None
+    ray_num_cpus: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.engine not in ("local", "ray"):
+            raise ValueError(f"engine must be 'local' or 'ray', got {self.engine!r}")
 
 
 def tokenizer_identity(tokenizer: Tokenizer) -> dict[str, Any]:
@@ -197,27 +207,64 @@ class _Check:
     drops: Callable[[Document], bool]
 
 
-def _document_checks(cfg: DataPipelineConfig, contaminated: list[dict[str, str]]) -> list[_Check]:
+def eval_set(cfg: DataPipelineConfig) -> tuple[list[Document], Decontaminator | None]:
+    """The evaluation documents to decontaminate against and their n-gram index (None without any)."""
+    if not cfg.eval_paths:
+        return [], None
+    eval_docs = list(read_documents(cfg.eval_paths, cfg.reader))
+    return eval_docs, Decontaminator((doc.text for doc in eval_docs), cfg.decontamination)
+
+
+def document_checks(
+    cfg: DataPipelineConfig,
+    contaminated: list[dict[str, str]],
+    eval_ids: list[str],
+    exact: Callable[[Document], bool],
+    near: Callable[[Document], bool],
+    match: Callable[[Document], int | None],
+) -> list[_Check]:
+    """The keep-or-drop stages that `cfg` enables, in order, deciding through the given functions:
+    exact and near duplicate or not, and the index of the evaluation text a document overlaps.
+    Decontamination lists what it finds in `contaminated`. The local engine decides as documents
+    stream past; the Ray engine looks up what its global passes decided."""
     checks: list[_Check] = []
     if cfg.exact_dedup:
-        exact = ExactDeduplicator()
-        checks.append(_Check(StageStats("exact_dedup"), lambda doc: exact.is_duplicate(doc.text)))
+        checks.append(_Check(StageStats("exact_dedup"), exact))
     if cfg.near_dedup is not None:
-        near = MinHashDeduplicator(cfg.near_dedup)
-        checks.append(_Check(StageStats("near_dedup"), lambda doc: near.is_duplicate(doc.text)))
+        checks.append(_Check(StageStats("near_dedup"), near))
     if cfg.eval_paths:
-        eval_docs = list(read_documents(cfg.eval_paths, cfg.reader))
-        index = Decontaminator((doc.text for doc in eval_docs), cfg.decontamination)
 
         def contaminated_doc(doc: Document) -> bool:
-            match = index.match(doc.text)
-            if match is None:
+            found = match(doc)
+            if found is None:
                 return False
-            contaminated.append({"id": doc.id, "source": doc.source, "eval_id": eval_docs[match].id})
+            contaminated.append({"id": doc.id, "source": doc.source, "eval_id": eval_ids[found]})
             return cfg.decontamination.action == "remove"
 
         checks.append(_Check(StageStats("decontaminate"), contaminated_doc))
     return checks
+
+
+def _local_checks(cfg: DataPipelineConfig, contaminated: list[dict[str, str]]) -> list[_Check]:
+    exact = ExactDeduplicator()
+    near = MinHashDeduplicator(cfg.near_dedup) if cfg.near_dedup is not None else None
+    eval_docs, index = eval_set(cfg)
+    return document_checks(
+        cfg, contaminated, [doc.id for doc in eval_docs],
+        exact=lambda doc: exact.is_duplicate(doc.text),
+        near=lambda doc: near is not None and near.is_duplicate(doc.text),
+        match=lambda doc: None if index is None else index.match(doc.text),
+    )
+
+
+def passes_checks(doc: Document, checks: list[_Check]) -> bool:
+    """Run a cleaned document through the checks in order, counting it in each stage it reaches."""
+    for check in checks:
+        dropped = check.drops(doc)
+        check.stats.record(len(doc.text), None if dropped else len(doc.text))
+        if dropped:
+            return False
+    return True
 
 
 def _surviving(
@@ -227,82 +274,60 @@ def _surviving(
         totals["documents"] += 1
         totals["characters"] += len(doc.text)
         cleaned = cleaner(doc)
-        if cleaned is None:
-            continue
-        for check in checks:
-            dropped = check.drops(cleaned)
-            check.stats.record(len(cleaned.text), None if dropped else len(cleaned.text))
-            if dropped:
-                break
-        else:
+        if cleaned is not None and passes_checks(cleaned, checks):
             yield cleaned
 
 
-def run_pipeline(
-    inputs: str | Path | Iterable[str | Path],
-    output_dir: str | Path,
-    tokenizer: Tokenizer,
-    cfg: DataPipelineConfig | None = None,
-) -> dict[str, Any]:
-    """Turn the documents under `inputs` into token shards in `output_dir`.
-
-    Returns the report (also written to `output_dir/report.json` and, if `cfg.print_report`,
-    printed as a table): documents and characters read, per-stage removals, what was written,
-    contaminated documents found, and the configuration used.
-    """
-    cfg = cfg or DataPipelineConfig()
-    started = time.perf_counter()
-    inputs = [inputs] if isinstance(inputs, (str, Path)) else list(inputs)
-    output_dir = Path(output_dir)
-
-    writer = ShardWriter(  # created first: it refuses an already-finished output_dir
+def open_writer(output_dir: Path, tokenizer: Tokenizer, cfg: DataPipelineConfig) -> ShardWriter:
+    """The shard writer; opened before any work, since it refuses an already-finished output_dir."""
+    return ShardWriter(
         output_dir,
         vocab_size=tokenizer.vocab_size,
         eos_token_id=tokenizer.eos_token_id,
         tokenizer=tokenizer_identity(tokenizer),
         cfg=cfg.shards,
     )
-    weights = mixture_weights(inputs, cfg.mixture) if cfg.mixture else None
-    encoder = DocumentEncoder(tokenizer, cfg.fim)
-    cleaner = DocumentCleaner(cfg.clean)
-    if cleaner.needs_first_pass:
-        for doc in read_documents(inputs, cfg.reader):
-            cleaner.observe(doc)
-    contaminated: list[dict[str, str]] = []
-    checks = _document_checks(cfg, contaminated)
-    totals = {"documents": 0, "characters": 0}
+
+
+def write_documents(
+    writer: ShardWriter, streams: list[Iterator[tuple[Document, np.ndarray]]], mixer: Mixer, cfg: DataPipelineConfig
+) -> tuple[StageStats, dict[str, int]]:
+    """Write (document, token ids) pairs, taking each next one from the stream the mixer picks,
+    until a stream ends; returns the tokenize stage's stats and what was written."""
     tokenize_stats = StageStats("tokenize")
     output = {"documents": 0, "characters": 0}
-    mixer = Mixer(inputs, weights)
-    # One stream over all inputs, or one per input for a mixture. A single stream's read-ahead
-    # cannot change what is written; a mixture's can (it decides which of two duplicates in different
-    # sources is read first), so there it is a fixed number of batches, whatever num_workers is.
-    stream_inputs = [inputs] if weights is None else [[source] for source in inputs]
-    read_ahead = 2 * cfg.num_workers if weights is None else 4
+    while True:
+        stream = mixer.next_stream()
+        item = next(streams[stream], None)
+        if item is None:
+            if mixer.weights is not None:
+                mixer.ended_by = mixer.names[stream]
+            break
+        doc, ids = item
+        tokenize_stats.record(len(doc.text), len(doc.text) if len(ids) else None)
+        if len(ids):
+            writer.add(ids)
+            mixer.record(doc.source, len(ids) + 1)  # + the eos the writer appends
+            output["documents"] += 1
+            output["characters"] += len(doc.text)
+    writer.describe(sources=mixer.report(), fim=asdict(cfg.fim))
+    return tokenize_stats, output
 
-    with writer, _worker_pool(encoder, cfg) as pool:
-        streams = [_encoded_documents(_surviving(read_documents(paths, cfg.reader), cleaner, checks, totals),
-                                      encoder, pool, cfg, read_ahead)
-                   for paths in stream_inputs]
-        while True:
-            stream = mixer.next_stream()
-            item = next(streams[stream], None)
-            if item is None:
-                if weights is not None:
-                    mixer.ended_by = mixer.names[stream]
-                break
-            doc, ids = item
-            tokenize_stats.record(len(doc.text), len(doc.text) if len(ids) else None)
-            if len(ids):
-                writer.add(ids)
-                mixer.record(doc.source, len(ids) + 1)  # + the eos the writer appends
-                output["documents"] += 1
-                output["characters"] += len(doc.text)
-        writer.describe(sources=mixer.report(), fim=asdict(cfg.fim))
-    manifest = writer.manifest
+
+def finish_report(
+    inputs: list[str | Path],
+    output_dir: Path,
+    cfg: DataPipelineConfig,
+    manifest: dict[str, Any] | None,
+    totals: dict[str, int],
+    stages: list[StageStats],
+    output: dict[str, int],
+    mixer: Mixer,
+    contaminated: list[dict[str, str]],
+    started: float,
+) -> dict[str, Any]:
+    """The run's report, written to `output_dir/report.json` and printed if `cfg.print_report`."""
     assert manifest is not None
-
-    stages = [*cleaner.stats, *(check.stats for check in checks), tokenize_stats]
     report: dict[str, Any] = {
         "inputs": [str(path) for path in inputs],
         "output_dir": str(output_dir),
@@ -326,3 +351,51 @@ def run_pipeline(
     if cfg.print_report:
         print_report(report)
     return report
+
+
+def run_pipeline(
+    inputs: str | Path | Iterable[str | Path],
+    output_dir: str | Path,
+    tokenizer: Tokenizer,
+    cfg: DataPipelineConfig | None = None,
+) -> dict[str, Any]:
+    """Turn the documents under `inputs` into token shards in `output_dir`.
+
+    Returns the report (also written to `output_dir/report.json` and, if `cfg.print_report`,
+    printed as a table): documents and characters read, per-stage removals, what was written,
+    contaminated documents found, and the configuration used.
+    """
+    cfg = cfg or DataPipelineConfig()
+    if cfg.engine == "ray":
+        from tokenmind.data.ray_pipeline import run_ray_pipeline
+
+        return run_ray_pipeline(inputs, output_dir, tokenizer, cfg)
+    started = time.perf_counter()
+    inputs = [inputs] if isinstance(inputs, (str, Path)) else list(inputs)
+    output_dir = Path(output_dir)
+
+    writer = open_writer(output_dir, tokenizer, cfg)
+    weights = mixture_weights(inputs, cfg.mixture) if cfg.mixture else None
+    encoder = DocumentEncoder(tokenizer, cfg.fim)
+    cleaner = DocumentCleaner(cfg.clean)
+    if cleaner.needs_first_pass:
+        for doc in read_documents(inputs, cfg.reader):
+            cleaner.observe(doc)
+    contaminated: list[dict[str, str]] = []
+    checks = _local_checks(cfg, contaminated)
+    totals = {"documents": 0, "characters": 0}
+    mixer = Mixer(inputs, weights)
+    # One stream over all inputs, or one per input for a mixture. A single stream's read-ahead
+    # cannot change what is written; a mixture's can (it decides which of two duplicates in different
+    # sources is read first), so there it is a fixed number of batches, whatever num_workers is.
+    stream_inputs = [inputs] if weights is None else [[source] for source in inputs]
+    read_ahead = 2 * cfg.num_workers if weights is None else 4
+
+    with writer, _worker_pool(encoder, cfg) as pool:
+        streams = [_encoded_documents(_surviving(read_documents(paths, cfg.reader), cleaner, checks, totals),
+                                      encoder, pool, cfg, read_ahead)
+                   for paths in stream_inputs]
+        tokenize_stats, output = write_documents(writer, streams, mixer, cfg)
+    stages = [*cleaner.stats, *(check.stats for check in checks), tokenize_stats]
+    return finish_report(inputs, output_dir, cfg, writer.manifest, totals, stages, output, mixer, contaminated,
+                         started)

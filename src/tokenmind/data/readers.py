@@ -113,10 +113,12 @@ def read_documents(
     plan = [(str(root), list_input_files(root)) for root in roots]
     for source, files in plan:
         for file in files:
-            yield from _read_file(file, source, cfg)
+            yield from read_file(file, source, cfg)
 
 
-def _read_file(file: Path, source: str, cfg: ReaderConfig) -> Iterator[Document]:
+def read_file(file: Path, source: str, cfg: ReaderConfig) -> Iterator[Document]:
+    """The documents of one file, in order; `source` is the input it was found under (the Ray
+    engine reads the files of `list_input_files` in parallel through this)."""
     ext = _extension(file)
     if ext == ".txt":
         yield from _read_txt(file, source, cfg)
