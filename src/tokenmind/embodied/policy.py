@@ -1,0 +1,88 @@
+"""What a policy is to the simulator loop, and loading a trained one from disk.
+
+A policy is any object with `reset()` (a new episode begins) and `act(obs) -> action`, obs being
+the environment's dict ({"pixels": (H, W, 3) uint8, "agent_pos": (2,)}) and the action a (2,)
+target position. The scripted expert, the random baseline and trained policies all fit it, so
+one evaluation loop scores them all.
+
+`ChunkingPolicy` turns a model that predicts action chunks into such a policy by receding-horizon
+control: it keeps the last T_o observations (repeating the first one at an episode's start) and a
+queue of planned actions; when the queue is empty it samples a chunk of T_p actions and queues the
+T_a starting at the current frame, so the model runs once every T_a steps.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from .diffusion_policy import KIND, DiffusionPolicy, load_diffusion_policy
+
+
+class Policy(Protocol):
+    """An agent the simulator loop can run; see the module docstring."""
+
+    def reset(self) -> None: ...
+    def act(self, obs: dict[str, np.ndarray]) -> np.ndarray: ...
+
+
+class ChunkingPolicy:
+    """`model` (a `DiffusionPolicy`) as a `Policy`. seed: the sampling noise restarts from it at every
+    `reset`, so an episode's actions depend only on its observations. steps: denoising steps per
+    chunk (None: the model's num_inference_steps)."""
+
+    def __init__(self, model: DiffusionPolicy, seed: int = 0, steps: int | None = None):
+        self.model, self.seed, self.steps = model.eval(), seed, steps
+        cfg = model.cfg
+        self.n_obs_steps, self.n_action_steps = cfg.n_obs_steps, cfg.n_action_steps
+        self.device = next(model.parameters()).device
+        self.generator = torch.Generator()
+        self.observations: deque[dict[str, np.ndarray]] = deque(maxlen=cfg.n_obs_steps)
+        self.actions: deque[np.ndarray] = deque()
+        self.reset()
+
+    def reset(self) -> None:
+        self.observations.clear()
+        self.actions.clear()
+        self.generator.manual_seed(self.seed)
+
+    def act(self, obs: dict[str, np.ndarray]) -> np.ndarray:
+        frame = {"pixels": np.array(obs["pixels"], dtype=np.uint8), "agent_pos": np.array(obs["agent_pos"],
+                                                                                          dtype=np.float32)}
+        while len(self.observations) < self.n_obs_steps - 1:  # an episode's first frame stands in for the past
+            self.observations.append(frame)
+        self.observations.append(frame)
+        if not self.actions:
+            self.actions.extend(self.plan())
+        return self.actions.popleft()
+
+    def plan(self) -> list[np.ndarray]:
+        """The next T_a actions from a chunk sampled for the current observation window."""
+        pixels = torch.from_numpy(np.stack([o["pixels"] for o in self.observations]))[None].to(self.device)
+        agent_pos = torch.from_numpy(np.stack([o["agent_pos"] for o in self.observations]))[None].to(self.device)
+        chunk = self.model.predict_action_chunk(pixels, agent_pos, self.generator, self.steps)[0].cpu().numpy()
+        start = self.n_obs_steps - 1  # the chunk's row for the current frame
+        return list(chunk[start:start + self.n_action_steps])
+
+
+def policy_dir(path: str | Path) -> Path:
+    """The folder holding a saved policy: `path` itself or a training run's `final/`."""
+    for folder in (Path(path), Path(path) / "final"):
+        if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
+            return folder
+    raise FileNotFoundError(f"{path} holds no trained policy (config.json + model.safetensors); pass the run folder "
+                            "of `tokenmind embodied train` or its final/ folder")
+
+
+def load_policy(path: str | Path, seed: int = 0, steps: int | None = None, device: str = "cpu") -> Policy:
+    """A trained policy from a run folder (or its final/ export), ready to `reset`/`act`."""
+    folder = policy_dir(path)
+    kind = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("kind")
+    if kind == KIND:
+        return ChunkingPolicy(load_diffusion_policy(folder, device), seed=seed, steps=steps)
+    raise ValueError(f"{folder}/config.json names policy kind {kind!r}; this version loads {KIND!r}")
