@@ -20,7 +20,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 import numpy as np
@@ -36,7 +36,7 @@ from ..engine.sampling import SamplingParams
 from ..data.fim import find_fim_tokens, infill_prompt
 from ..engine.speculative import parse_speculative
 from ..engine.structured import StructuredOutput
-from ..model.load import Pretrained, load_model
+from ..model.load import AUTO, Pretrained, load_model
 from ..model.encoder import SentenceEncoder, load_encoder
 from ..model.lora import is_adapter_dir, load_adapter, routing_of
 from .admission import Admission
@@ -45,11 +45,15 @@ from .errors import APIError, documented, install_error_handlers
 from .generation import ClientDisconnected, EventStream, Generation, QueueTimeout, collect, until_disconnect
 from .guards import ApiKeyMiddleware, BodyLimitMiddleware, TrustedHostMiddleware
 from .metrics import Metrics, MetricsMiddleware
-from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, SamplingRequest,
-                       TokenizeRequest)
+from .protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
+                       SamplingRequest, TokenizeRequest)
 from .responses import ChatFormat, CompletionFormat, ResponseFormat
 from .tool_calls import FORMATS as TOOL_FORMATS
 from .tool_calls import ToolFormat, format_for_template
+
+if TYPE_CHECKING:  # imported where a VLM is served: the vision stack costs the chat server nothing otherwise
+    from ..vision.vlm import VisionLanguageModel
+    from .vision import ImageInputs, RequestImage
 
 log = logging.getLogger("tokenmind.serve")
 STATIC = Path(__file__).parent / "static"
@@ -64,21 +68,29 @@ CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection firs
 
 
 class Prepared:
-    """A parsed, tokenized request that the engine will accept."""
+    """A parsed, tokenized request that the engine will accept; `images` (a VLM's chat) start at
+    `image_starts` in its one prompt."""
 
     def __init__(self, body: SamplingRequest, prompts: list[list[int]], params: SamplingParams, fmt: ResponseFormat,
-                 adapter: str | None, echo: list[str] | None = None):
+                 adapter: str | None, echo: list[str] | None = None, images: list[RequestImage] | None = None,
+                 image_starts: list[int] | None = None):
         self.body, self.prompts, self.params, self.fmt, self.adapter = body, prompts, params, fmt, adapter
-        self.echo = echo
+        self.echo, self.images, self.image_starts = echo, images or [], image_starts or []
 
 
 class Service:
     """What the routes share: the model's tokenizer and limits, the engine while serving, admission, metrics."""
 
     def __init__(self, config: ServeConfig, pretrained: Pretrained, draft: Pretrained | None = None,
-                 encoder: SentenceEncoder | None = None):
+                 encoder: SentenceEncoder | None = None, vision: VisionLanguageModel | None = None):
+        """`vision`: the VLM whose language model `pretrained` is; chat messages may then hold images."""
         self.config, self.pretrained, self.tokenizer, self.draft = config, pretrained, pretrained.tokenizer, draft
         self.encoder = encoder  # answers /v1/embeddings requests that name config.embedding_model_name
+        self.images: ImageInputs | None = None
+        if vision is not None:
+            from .vision import ImageInputs
+            self.images = ImageInputs(vision, self.tokenizer, config.max_images_per_request, config.max_image_bytes,
+                                      config.max_image_pixels)
         self.model_name = config.model_name
         self.admission = Admission(config.max_num_seqs + config.max_queue, config.retry_after)
         self.metrics = Metrics(ENDPOINTS)
@@ -163,8 +175,21 @@ class Service:
             return TOOL_FORMATS[self.config.tool_parser]
         return format_for_template(self.tokenizer.chat_template)
 
+    def template_messages(self, messages: list[ChatMessage]) -> list[dict[str, Any]]:
+        """The messages as the chat template reads them, image parts as the VLM's placeholder tokens;
+        a 400 if they hold images and this model reads text only."""
+        image_text = None if self.images is None else self.images.image_text
+        for i, m in enumerate(messages):
+            if image_text is None and m.images():
+                j = m.images()[0][0]
+                raise APIError(400, f"messages[{i}].content[{j}] is an image, but {self.model_name!r} is a text-only "
+                                    "model; send text only, or serve a vision-language model (tokenmind serve "
+                                    "--model VLM_DIR)", param=f"messages[{i}].content[{j}]",
+                               code="image_input_not_supported")
+        return [m.for_template(image_text) for m in messages]
+
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        messages, tools = [m.for_template() for m in body.messages], body.tool_dicts()
+        messages, tools = self.template_messages(body.messages), body.tool_dicts()
         try:
             messages, tools = self.tool_format.prepare(messages, tools)
         except ValueError as e:
@@ -240,9 +265,12 @@ class Service:
         """Body bytes → a request the engine accepts, or an `APIError` naming what is wrong. Blocking."""
         body = parse_body(raw, content_type, kind)
         adapter = self.check_model(body.model)
-        echo = None
+        echo, images, starts = None, [], []
         if isinstance(body, ChatCompletionRequest):
             prompts, param = [self.chat_prompt(body)], "messages"
+            if self.images is not None:
+                images = self.images.read(body.messages)
+                starts = self.images.starts(prompts[0], len(images))
             tools = self.tool_format if body.tool_dicts() else None
             fmt: ResponseFormat = ChatFormat(body.model, self.tokenizer, body.include_usage, tools)
         else:
@@ -267,7 +295,7 @@ class Service:
                 raise APIError(400, str(e), param=param) from e
         if isinstance(body, CompletionRequest):  # decoded only once the ids are known to be in the vocabulary
             echo = self.echo_texts(body, prompts)
-        return Prepared(body, prompts, params, fmt, adapter, echo)
+        return Prepared(body, prompts, params, fmt, adapter, echo, images, starts)
 
     # ----------------------------------------------------------------- request → response
 
@@ -277,8 +305,14 @@ class Service:
         self.admission.check(1)  # a full server refuses before reading or parsing anything
         raw = await request.body()
         prep = await asyncio.to_thread(self.prepare, raw, request.headers.get("content-type"), kind)
+        embeds = None
+        if prep.images:  # the ViT and projector run on the engine thread, between two steps
+            try:
+                embeds = [await self.ready().run_between_steps(self.images.embeds, prep.images, prep.image_starts)]
+            except (EngineFailed, EngineStopped) as e:
+                raise self.failure(e) from e
         gen = Generation(self.ready(), self.admission, self.metrics, prep.prompts, prep.params, uuid.uuid4().hex,
-                         prep.adapter, prep.echo)
+                         prep.adapter, prep.echo, embeds)
         if prep.body.stream:
             return EventStream(gen, prep.fmt, self.config.heartbeat_interval, self.failure)
         try:
@@ -349,7 +383,7 @@ class Service:
         if body.model is not None:
             self.check_model(body.model)
         if body.messages is not None:
-            messages = [m.for_template() for m in body.messages]
+            messages = self.template_messages(body.messages)
             try:
                 ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
             except (ValueError, TypeError, jinja2.TemplateError) as e:
@@ -410,7 +444,8 @@ def _is_json(content_type: str) -> bool:
     return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
 
 
-def load_off_main_thread(config: ServeConfig) -> tuple[Pretrained, Pretrained | None, SentenceEncoder | None]:
+def load_off_main_thread(config: ServeConfig) -> tuple[Pretrained, Pretrained | None, SentenceEncoder | None,
+                                                       VisionLanguageModel | None]:
     """Load the models on a short-lived thread, so that the main thread never runs parallel tensor work.
 
     The engine computes on its own thread. Weight loading on the main thread would leave that
@@ -422,23 +457,39 @@ def load_off_main_thread(config: ServeConfig) -> tuple[Pretrained, Pretrained | 
         return pool.submit(_load_models, config).result()
 
 
-def _load_models(config: ServeConfig) -> tuple[Pretrained, Pretrained | None, SentenceEncoder | None]:
-    """The model, the draft model `--speculative MODEL` names, and the `--embedding-model` encoder."""
+def _load_models(config: ServeConfig) -> tuple[Pretrained, Pretrained | None, SentenceEncoder | None,
+                                                VisionLanguageModel | None]:
+    """The model, the draft model `--speculative MODEL` names, the `--embedding-model` encoder, and
+    the VLM when the model is one (its language model is then the model)."""
     encoder = None if config.embedding_model is None else load_encoder(config.embedding_model)
-    return (*_load_chat_models(config), encoder)
+    pretrained, vision = _load_chat_model(config)
+    return pretrained, _load_draft(config, pretrained), encoder, vision
 
 
-def _load_chat_models(config: ServeConfig) -> tuple[Pretrained, Pretrained | None]:
-    """The model, and the draft model `--speculative MODEL` names (same dtype and quantization)."""
-    pretrained = load_model(config.model, dtype=config.dtype, quantize=config.quantization)
+def _load_chat_model(config: ServeConfig) -> tuple[Pretrained, VisionLanguageModel | None]:
+    """The model to generate with, and the VLM it belongs to if `config.model` is a `save_vlm` directory."""
+    from ..vision.vlm import load_vlm, vlm_dir
+
+    folder = vlm_dir(config.model)
+    if folder is None:
+        return load_model(config.model, dtype=config.dtype, quantize=config.quantization), None
+    if config.quantization not in (None, AUTO):
+        raise ValueError(f"--quantization {config.quantization} is not supported for a vision-language model; "
+                         "serve it with float weights (--quantization none)")
+    vision, tokenizer = load_vlm(folder, dtype=config.dtype)
+    return Pretrained(vision.language_model, tokenizer, folder), vision
+
+
+def _load_draft(config: ServeConfig, pretrained: Pretrained) -> Pretrained | None:
+    """The draft model `--speculative MODEL` names (same dtype and quantization)."""
     if config.speculative is None or parse_speculative(config.speculative) is not None:
-        return pretrained, None
+        return None
     draft = load_model(config.speculative, dtype=config.dtype, quantize=config.quantization)
     if draft.tokenizer.vocab_size != pretrained.tokenizer.vocab_size:
         raise ValueError(f"--speculative {config.speculative}: its vocabulary ({draft.tokenizer.vocab_size} tokens) "
                          f"is not the model's ({pretrained.tokenizer.vocab_size}); a draft model must share the "
                          "tokenizer")
-    return pretrained, draft
+    return draft
 
 
 def attach_adapters(pretrained: Pretrained, adapters: dict[str, str]) -> None:
@@ -454,16 +505,17 @@ def attach_adapters(pretrained: Pretrained, adapters: dict[str, str]) -> None:
 
 def build_app(config: ServeConfig, pretrained: Pretrained | None = None) -> FastAPI:
     """The ASGI app serving `config.model` (or an already loaded `pretrained`, e.g. in tests or notebooks).
+    A vision-language model's directory (`save_vlm`) is served with image inputs (`vision.py`).
 
     The engine (and its KV cache) is created when the app starts serving and freed when it stops.
     """
     if pretrained is None:
-        pretrained, draft, encoder = load_off_main_thread(config)
+        pretrained, draft, encoder, vision = load_off_main_thread(config)
     else:
-        draft = None
+        draft = vision = None
         encoder = None if config.embedding_model is None else load_encoder(config.embedding_model)
     attach_adapters(pretrained, config.lora)
-    service = Service(config, pretrained, draft, encoder)
+    service = Service(config, pretrained, draft, encoder, vision)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -477,7 +529,7 @@ def build_app(config: ServeConfig, pretrained: Pretrained | None = None) -> Fast
                   docs_url=None, redoc_url=None)  # the docs pages load from a CDN; /openapi.json stays
     app.state.service = service
     install_error_handlers(app)
-    install_guards(app, config, service.metrics, pretrained.model.cfg.max_position_embeddings)
+    install_guards(app, config, service.metrics, pretrained.model.cfg.max_position_embeddings, vision is not None)
 
     @app.get("/health", responses={503: {"description": "starting, shutting down, stuck or failed (the body says)"}})
     async def health() -> JSONResponse:
@@ -553,16 +605,17 @@ def build_app(config: ServeConfig, pretrained: Pretrained | None = None) -> Fast
     return app
 
 
-def install_guards(app: FastAPI, config: ServeConfig, metrics: Metrics, model_context: int) -> None:
+def install_guards(app: FastAPI, config: ServeConfig, metrics: Metrics, model_context: int, images: bool = False
+                   ) -> None:
     """Middleware, innermost first: API key, CORS, body limit, trusted hosts, metrics (outermost: it
-    also counts the requests the others refuse)."""
+    also counts the requests the others refuse). `images`: bodies may carry images (a VLM)."""
     if config.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     if config.cors_origins:  # outside the key check: browsers send preflight requests without credentials
         app.add_middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
     context = min(model_context, config.max_model_len or model_context)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.body_limit(context))
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.body_limit(context, images))
     hosts = config.trusted_hosts()
     if hosts is not None:
         app.add_middleware(TrustedHostMiddleware, allowed=hosts)
@@ -604,6 +657,8 @@ def _model_card(service: Service, name: str) -> dict:
         card.update(root=str(service.encoder.path), max_model_len=service.encoder.max_seq_length)
     elif name != service.model_name:  # a LoRA adapter over the base model, as vLLM lists them
         card.update(root=str(service.config.lora[name]), parent=service.model_name)
+    if name == service.model_name and service.images is not None:
+        card.update(input_modalities=["text", "image"], tokens_per_image=service.images.model.tokens_per_image)
     return card
 
 

@@ -67,6 +67,10 @@ class ServeConfig:
     tool_parser: str | None = None  # how replies call tools: hermes, json, generic; None = from the chat template
     log_level: str = "info"
     max_images: int = 16  # a diffusion model's images per /v1/images/generations request (`n`); more: 400
+    # a vision-language model's input images (chat image_url parts): per request, bytes and pixels each; more: 400
+    max_images_per_request: int = 4
+    max_image_bytes: int = 4 << 20
+    max_image_pixels: int = 4096 * 4096
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -100,8 +104,9 @@ class ServeConfig:
         if self.tool_parser is not None and self.tool_parser not in TOOL_PARSERS:
             raise ValueError(f"tool_parser={self.tool_parser!r}: choose one of {', '.join(TOOL_PARSERS)} or leave "
                              "it unset to follow the chat template")
-        if self.max_images < 1:
-            raise ValueError(f"max_images must be >= 1, got {self.max_images}")
+        for name in ("max_images", "max_images_per_request", "max_image_bytes", "max_image_pixels"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         self.quantization = quantization_setting(self.quantization, "quantization")
@@ -124,11 +129,13 @@ class ServeConfig:
         """True when the server listens beyond this machine (any non-loopback address)."""
         return self.host not in LOCAL_HOSTS
 
-    def body_limit(self, context_len: int) -> int:
-        """The request body limit in bytes: `max_body_bytes`, or enough for a full context window."""
+    def body_limit(self, context_len: int, images: bool = False) -> int:
+        """The request body limit in bytes: `max_body_bytes`, or enough for a full context window
+        (plus, with `images`, the most base64 images a request may carry)."""
         if self.max_body_bytes is not None:
             return self.max_body_bytes
-        return max(MIN_BODY_BYTES, BODY_BYTES_PER_CONTEXT_TOKEN * context_len)
+        image_bytes = self.max_images_per_request * 4 * (self.max_image_bytes // 3 + 1) if images else 0
+        return max(MIN_BODY_BYTES, BODY_BYTES_PER_CONTEXT_TOKEN * context_len) + image_bytes
 
     def trusted_hosts(self) -> list[str] | None:
         """Host header values to accept; None = any (an API key guards the server, or `*` was given)."""

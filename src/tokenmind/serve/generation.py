@@ -23,6 +23,7 @@ from fastapi.responses import StreamingResponse
 from ..engine.async_engine import AsyncEngine
 from ..engine.llm import RequestOutput
 from ..engine.sampling import SamplingParams
+from ..engine.sequence import PromptEmbeds
 from .admission import Admission
 from .errors import APIError
 from .metrics import Metrics
@@ -44,9 +45,10 @@ class Generation:
     """The engine requests of one HTTP request. Create (which admits it), iterate `deltas()`, always `close()`."""
 
     def __init__(self, engine: AsyncEngine, admission: Admission, metrics: Metrics, prompts: list[list[int]],
-                 params: SamplingParams, request_id: str, adapter: str | None = None, echo: list[str] | None = None):
+                 params: SamplingParams, request_id: str, adapter: str | None = None, echo: list[str] | None = None,
+                 embeds: list[list[PromptEmbeds]] | None = None):
         """`echo`: per prompt, the text each of its choices starts with (its tokens' logprobs too, if
-        `params.prompt_logprobs`)."""
+        `params.prompt_logprobs`). `embeds`: per prompt, its images' rows (`Engine.add_request`)."""
         self.echo = echo
         self.request_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         admission.admit(self.request_ids)  # 429 / 503 before any work starts
@@ -57,8 +59,9 @@ class Generation:
         self._queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
         self._seen: set[int] = set()
         self._remaining = len(prompts)
-        self._tasks = [asyncio.create_task(self._pump(i, engine.generate(ids, params, rid, adapter)))
-                       for i, (ids, rid) in enumerate(zip(prompts, self.request_ids))]
+        embeds = embeds or [None] * len(prompts)
+        self._tasks = [asyncio.create_task(self._pump(i, engine.generate(ids, params, rid, adapter, e)))
+                       for i, (ids, rid, e) in enumerate(zip(prompts, self.request_ids, embeds))]
 
     async def _pump(self, prompt: int, stream: AsyncIterator[RequestOutput]) -> None:
         try:

@@ -190,6 +190,25 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    url: NonEmptyStr  # a data URL (data:image/png;base64,...): the server fetches nothing
+    detail: Literal["auto", "low", "high"] | None = None  # accepted, ignored: images are resized to the model's size
+
+
+class ImagePart(BaseModel):
+    """An image in a chat message, for a vision-language model (`vision.py` reads it)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class FunctionCall(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -211,17 +230,27 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # assistant messages
     tool_call_id: str | None = None  # tool messages: the call this is the result of
 
-    def for_template(self) -> dict[str, Any]:
+    def images(self) -> list[tuple[int, ImageURL]]:
+        """(index in `content`, image) of each image part, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [(i, part.image_url) for i, part in enumerate(self.content) if isinstance(part, ImagePart)]
+
+    def for_template(self, image_text: str | None = None) -> dict[str, Any]:
         """The OpenAI-shaped dict (role, content, tool_calls, tool_call_id) that tool formats and chat
-        templates read; `developer` is the newer name of `system`."""
+        templates read; `developer` is the newer name of `system`. Content parts are joined in
+        order, each image part written as `image_text` (a VLM's placeholder tokens); a message with
+        images but no `image_text` is a ValueError."""
         content = self.content
         if isinstance(content, list):
-            content = "".join(part.text for part in content)
+            if image_text is None and self.images():
+                raise ValueError("this message holds image_url parts but the model reads text only")
+            content = "".join(image_text if isinstance(part, ImagePart) else part.text for part in content)
         message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
                                    "content": content or ""}
         if self.tool_calls:
