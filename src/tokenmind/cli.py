@@ -732,6 +732,36 @@ def cmd_diffusion_sample(args) -> None:
     print(f"wrote {out}")
 
 
+def cmd_embodied_record(args) -> None:
+    from .embodied.demos import record_demonstrations
+
+    demos = record_demonstrations(args.out, args.episodes, seed=args.seed, only_successful=not args.keep_failures,
+                                  progress=True)
+    meta = demos.meta
+    print(f"wrote {args.out}: {demos.n_episodes} episodes, {len(demos)} frames; the expert succeeded in "
+          f"{meta['success_rate_tried']:.0%} of {meta['episodes_tried']} tried ({meta['seconds']} s)")
+
+
+def cmd_embodied_evaluate(args) -> None:
+    from .embodied.evaluate import RandomPolicy, evaluate_policy, format_result, write_result
+
+    if args.policy == "expert":
+        from .embodied.expert import ScriptedExpert
+
+        policy, name = ScriptedExpert(), "expert"
+    elif args.policy == "random":
+        policy, name = RandomPolicy(seed=args.seed), "random"
+    else:
+        from .embodied.policy import load_policy
+
+        policy, name = load_policy(args.policy, seed=args.seed), Path(args.policy).name
+    result = evaluate_policy(policy, args.episodes, seed=args.seed, max_steps=args.max_steps, strip_dir=args.strips,
+                             n_strips=args.n_strips, progress=True, name=name)
+    print(format_result(result))
+    if args.out:
+        print(f"wrote {write_result(result, args.out)}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tokenmind",
@@ -835,7 +865,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Serve /v1/chat/completions (tools, response_format), /v1/completions (echo, "
                                    "logprobs), /v1/embeddings, /v1/models (streaming or not), /tokenize, "
                                    "/detokenize, /health, /metrics and a chat page at /; or, given a `tokenmind "
-                                   "diffusion train` run, /v1/images/generations and an image page. Binds "
+                                   "diffusion train` run, /v1/images/generations and an image page; a vision-"
+                                   "language model (`tokenmind vision train-vlm`) reads image_url parts in chat "
+                                   "messages. Binds "
                                    "127.0.0.1 unless "
                                    "told otherwise. "
                                    "Settings come from the flags below, over a --config YAML file, over the "
@@ -885,6 +917,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "hermes, other tool-aware templates → json, none → generic)")
     p.add_argument("--max-images", type=int, metavar="N",
                    help="a diffusion run's most images per /v1/images/generations request (default 16)")
+    p.add_argument("--max-images-per-request", type=int, metavar="N",
+                   help="a vision-language model's most image_url parts per chat request (default 4)")
+    p.add_argument("--max-image-mb", dest="max_image_bytes", metavar="MAX_IMAGE_MB", type=mebibytes,
+                   help="a vision-language model's largest input image file, 400 above it (default 4)")
+    p.add_argument("--max-image-pixels", type=int, metavar="N",
+                   help="a vision-language model's largest input image in pixels, checked before decoding "
+                        "(default 4096*4096)")
     p.add_argument("--log-level")
     p.set_defaults(func=cmd_serve)
 
@@ -1277,6 +1316,28 @@ def build_parser() -> argparse.ArgumentParser:
                                     "model.train.steps=100 fid_samples=1000.")
     p.add_argument("--config", default="cpu-diffusion", help="packaged config name (cpu-diffusion) or a YAML path")
     p.set_defaults(func=cmd_diffusion_speedrun, takes_overrides=True)
+
+    emb = sub.add_parser("embodied", help="PushT in simulation: record expert demonstrations, evaluate policies"
+                         ).add_subparsers(dest="embodied_command", metavar="COMMAND", required=True)
+    p = emb.add_parser("record", help="record scripted-expert demonstrations (pixels, agent position, actions)",
+                       description="Roll out the scripted expert on PushT episodes seeded SEED, SEED+1, ... and save "
+                                   "the successful ones (data.npz + meta.json, see docs/embodied.md).")
+    p.add_argument("--out", default="runs/embodied/demos", help="dataset directory (default runs/embodied/demos)")
+    p.add_argument("--episodes", type=int, default=150, help="episodes to keep (default 150)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the first episode (default 0)")
+    p.add_argument("--keep-failures", action="store_true", help="also keep episodes the expert did not solve")
+    p.set_defaults(func=cmd_embodied_record)
+    p = emb.add_parser("evaluate", help="success rate and coverage of a policy over seeded PushT episodes",
+                       description="Run the policy for N seeded episodes (seeds SEED..SEED+N-1): success rate "
+                                   "(coverage > 0.95) and mean max-coverage, each ± its standard error.")
+    p.add_argument("--policy", required=True, help="expert, random, or a trained policy's run folder")
+    p.add_argument("--episodes", type=int, default=50, help="episodes (default 50)")
+    p.add_argument("--seed", type=int, default=1000, help="seed of the first episode (default 1000)")
+    p.add_argument("--max-steps", type=int, default=300, help="steps per episode (default 300, the env's limit)")
+    p.add_argument("--strips", default=None, help="folder for frame strips (PNG) of the first episodes")
+    p.add_argument("--n-strips", type=int, default=3, help="episodes to draw as strips (default 3)")
+    p.add_argument("--out", default=None, help="write the result (with per-episode records) as JSON here")
+    p.set_defaults(func=cmd_embodied_evaluate)
 
     tok = sub.add_parser("tokenizer", help="tokenizer commands").add_subparsers(dest="tokenizer_command",
                                                                                metavar="SUBCOMMAND", required=True)
