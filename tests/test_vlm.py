@@ -36,7 +36,9 @@ from tokenmind.vision.vlm import (
     render_vlm_chat,
     save_vlm,
 )
+from tokenmind.posttrain.data import to_example
 from tokenmind.vision.vlm_data import (
+    VLMBatch,
     VLMLoader,
     conversation,
     exact_match,
@@ -45,8 +47,8 @@ from tokenmind.vision.vlm_data import (
     vlm_examples,
     yes_no,
 )
-from tokenmind.vision.vlm_eval import eval_vlm, greedy_answers
-from tokenmind.vision.vlm_train import build_vlm_trainer, load_vlm_train_config, train_vlm, VLMTrainConfig
+from tokenmind.vision.vlm_eval import engine_answers, eval_vlm, greedy_answers
+from tokenmind.vision.vlm_train import VLMObjective, VLMTrainConfig, build_vlm_trainer, load_vlm_train_config, train_vlm
 
 IMAGE_TOKEN = "<image_pad>"
 
@@ -261,17 +263,21 @@ def test_stage_2_resume_retraces_the_uninterrupted_run(parts: dict[str, Path], t
         load_vlm_train_config(None, ["--vlm.stage=2"])
 
 
-def test_greedy_answers_do_not_depend_on_the_batch(parts: dict[str, Path]) -> None:
+def test_engine_answers_equal_greedy_decoding_over_the_forward(parts: dict[str, Path]) -> None:
     model, tokenizer = load_vlm(parts["stage1"])
-    images = pixels(3)
-    together = greedy_answers(model, tokenizer, "What is in this picture?", images, max_new_tokens=5)
-    alone = [greedy_answers(model, tokenizer, "What is in this picture?", images[i:i + 1], max_new_tokens=5)[0]
-             for i in range(3)]
-    assert together == alone
+    images = pixels(4)
+    with torch.no_grad():
+        model.projector.linear_2.weight.mul_(50)  # images that matter: the random answers differ by image
+    dense = greedy_answers(model, tokenizer, "What is in this picture?", images, max_new_tokens=6)
+    assert len(set(dense)) > 1
+    assert engine_answers(model, tokenizer, "What is in this picture?", images, max_new_tokens=6) == dense
+    alone = [greedy_answers(model, tokenizer, "What is in this picture?", images[i:i + 1], max_new_tokens=6)[0]
+             for i in range(4)]
+    assert alone == dense
 
 
 def test_eval_writes_a_report_with_the_classifier_beside(parts: dict[str, Path], tmp_path: Path) -> None:
-    report = eval_vlm(parts["stage1"], num_images=6, dataset="digits", batch_size=3, out_dir=tmp_path)
+    report = eval_vlm(parts["stage1"], num_images=6, dataset="digits", out_dir=tmp_path)
     metrics = report["metrics"]
     assert set(metrics) == {"identify_exact_match", "identify_class_accuracy", "footwear_yes_no_accuracy",
                             "caption_keyword_score", "vit_classifier_accuracy"}
@@ -279,3 +285,30 @@ def test_eval_writes_a_report_with_the_classifier_beside(parts: dict[str, Path],
     assert json.loads((tmp_path / "vlm_eval.json").read_text())["metrics"] == metrics
     assert "identify_exact_match" in (tmp_path / "vlm_eval.md").read_text()
     assert len(report["samples"]) == 6
+
+
+@pytest.mark.slow
+def test_smollm2_vlm_splices_images_and_trains_only_the_projector() -> None:
+    start = load_model("smollm2", dtype=torch.float32)
+    model = build_vlm(tiny_vit(), start.model, start.tokenizer)
+    tokenizer = start.tokenizer
+    assert tokenizer.id_to_token(model.image_token_id) == "<empty_output>"  # a spare special token, no new row
+    assert model.language_model.cfg.vocab_size == tokenizer.vocab_size
+    messages = [{"role": "user", "content": f"{IMAGE_PLACEHOLDER}\nWhat is in this picture?"},
+                {"role": "assistant", "content": "A sneaker."}]
+    ids, mask, images = render_vlm_chat(tokenizer, messages, model)
+    text = tokenizer.decode(ids)
+    assert images == 1 and "<|im_start|>user\n" + "<empty_output>" * 5 + "\nWhat is in this picture?" in text
+    assert tokenizer.decode([t for t, m in zip(ids, mask) if m]) == "A sneaker.<|im_end|>"
+    plain = torch.tensor([tokenizer.encode("The capital of France is")])
+    with torch.no_grad():
+        torch.testing.assert_close(model(plain), model.language_model(plain))
+    for p in [*model.vision.parameters(), *model.language_model.parameters()]:
+        p.requires_grad_(False)
+    example = to_example(ids, mask, len(ids))
+    batch = VLMBatch(*(torch.from_numpy(a)[None] for a in (example.inputs, example.targets)),
+                     torch.zeros(1, len(ids), dtype=torch.long), torch.arange(len(ids))[None], pixels(1))
+    terms = VLMObjective()(model, batch, "fp32")
+    terms.loss.backward()
+    assert int(terms.count) == len(tokenizer.encode("A sneaker.")) + 1  # the answer and <|im_end|>
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.projector.parameters())
