@@ -168,3 +168,15 @@ def test_expert_beats_random():
     rand = [run_episode(env, RandomPolicy(), s, keep_frames=False) for s in seeds]
     assert np.mean([e["max_coverage"] for e in expert]) > np.mean([e["max_coverage"] for e in rand]) + 0.3
     assert sum(e["success"] for e in expert) >= 2
+
+
+def test_cli_evaluate_and_record(tmp_path, capsys):
+    from tokenmind.cli import main
+
+    out = tmp_path / "random.json"
+    assert main(["embodied", "evaluate", "--policy", "random", "--episodes", "2", "--max-steps", "4",
+                 "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["n_episodes"] == 2 and [ep["seed"] for ep in result["episodes"]] == [1000, 1001]
+    assert "random: success 0.0%" in capsys.readouterr().out
+    assert main(["embodied", "evaluate", "--policy", str(tmp_path / "nope")]) == 2  # a clear error, no traceback
