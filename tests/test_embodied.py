@@ -98,7 +98,7 @@ def test_demonstrations_save_is_atomic(tmp_path, monkeypatch):
     def broken_savez(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(np, "savez", broken_savez)
+    monkeypatch.setattr(np, "savez_compressed", broken_savez)
     with pytest.raises(OSError, match="disk full"):
         _tiny_demos((1, 1, 1)).save(tmp_path / "d")
     assert [p.name for p in tmp_path.iterdir()] == ["d"]  # no temporary left behind

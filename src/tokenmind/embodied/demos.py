@@ -4,7 +4,8 @@ LeRobot's dataset layout was the first choice, but its library does not install 
 project's torch (lerobot 0.4.x pins torch < 2.11; 0.5+ needs Python ≥ 3.12), so the layout is our own,
 with LeRobot's column meanings:
 
-    DIR/data.npz    one uncompressed array per column, all frames of all episodes in order
+    DIR/data.npz    one array per column (zip-deflated: the frames are mostly white table), all frames
+                    of all episodes in order
         pixels          (N, 96, 96, 3) uint8    the camera frame the action was chosen from
         agent_pos       (N, 2) float32          agent position (observation.state)
         action          (N, 2) float32          the target position sent to the env at that frame
@@ -91,7 +92,7 @@ class Demonstrations:
 
         meta = {"format": FORMAT, **self.meta, "n_frames": len(self), "n_episodes": self.n_episodes}
         with atomic_directory(path) as tmp:
-            np.savez(tmp / "data.npz", **{name: getattr(self, name) for name in COLUMNS})
+            np.savez_compressed(tmp / "data.npz", **{name: getattr(self, name) for name in COLUMNS})
             (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         return Path(path)
 
