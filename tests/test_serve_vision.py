@@ -69,16 +69,21 @@ def offline(vlm_path):
     """The answer to QUESTION about an image (PNG bytes), by the offline engine and by the dense VLM."""
     vlm, tokenizer = load_vlm(vlm_path)
     llm = LLM(Pretrained(vlm.language_model, tokenizer, vlm_path), block_size=4)
-    messages = [{"role": "user", "content": f"{IMAGE_PLACEHOLDER}\n{QUESTION}"}]
-    ids, _, _ = render_vlm_chat(tokenizer, messages, vlm, add_generation_prompt=True)
 
-    def answer(data: bytes) -> tuple[str, str]:
-        pixels = to_pixel_values([decode_image(data, 1 << 20, 1 << 20)], vlm.image_size, vlm.image_channels)
+    def answer(*images: bytes) -> tuple[str, str | None]:
+        """(the engine's answer, the dense model's for a single image) to QUESTION after the images."""
+        messages = [{"role": "user", "content": f"{IMAGE_PLACEHOLDER}\n" * len(images) + QUESTION}]
+        ids, _, _ = render_vlm_chat(tokenizer, messages, vlm, add_generation_prompt=True)
+        n = vlm.tokens_per_image
+        starts = [p for p, t in enumerate(ids) if t == vlm.image_token_id][::n]
+        pixels = to_pixel_values([decode_image(data, 1 << 20, 1 << 20) for data in images], vlm.image_size,
+                                 vlm.image_channels)
         with torch.no_grad():
-            rows = vlm.image_embeddings(pixels)[0]
+            rows = vlm.image_embeddings(pixels)
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
-        engine = llm.generate(ids, params, prompt_embeds=[[(ids.index(vlm.image_token_id), rows)]])[0]
-        dense = greedy_answers(vlm, tokenizer, QUESTION, pixels, max_new_tokens=MAX_TOKENS)[0]
+        engine = llm.generate(ids, params, prompt_embeds=[list(zip(starts, rows))])[0]
+        dense = greedy_answers(vlm, tokenizer, QUESTION, pixels, max_new_tokens=MAX_TOKENS)[0] if len(images) == 1 \
+            else None
         return engine.outputs[0].text, dense
 
     return answer
@@ -113,6 +118,15 @@ def test_concurrent_requests_keep_their_own_images(server, offline):
     answers = [r.choices[0].message.content for r in replies]
     assert answers == [offline(data)[0] for data in images]
     assert len(set(answers)) > 1  # the images matter: a mix-up would show
+
+
+def test_two_images_in_one_message_are_read_in_order(server, offline):
+    first, second = png(10), png(11)
+    content = [{"type": "image_url", "image_url": {"url": data_url(data)}} for data in (first, second)]
+    reply = server.openai().chat.completions.create(
+        model="tiny-vlm", max_tokens=MAX_TOKENS, temperature=0,
+        messages=[{"role": "user", "content": [*content, {"type": "text", "text": QUESTION}]}])
+    assert reply.choices[0].message.content == offline(first, second)[0] != offline(second, first)[0]
 
 
 def test_the_prefix_cache_is_keyed_on_the_image(server, offline):
