@@ -762,6 +762,21 @@ def cmd_embodied_evaluate(args) -> None:
         print(f"wrote {write_result(result, args.out)}")
 
 
+def cmd_embodied_train(args, overrides: list[str]) -> None:
+    from .embodied.policy_train import load_policy_config, train_policy
+
+    result = train_policy(load_policy_config(args.config, overrides))
+    print(f"done: {result.steps} steps, {result.tokens_seen:,} samples, loss {result.final_loss:.4f}"
+          if result.final_loss is not None else f"done: {result.steps} steps")
+    print(f"policy: {result.final_model_path}  (evaluate with: tokenmind embodied evaluate --policy {result.out_dir})")
+
+
+def cmd_embodied_speedrun(args, overrides: list[str]) -> None:
+    from .embodied.speedrun import load_speedrun_config, speedrun
+
+    print(f"report: {speedrun(load_speedrun_config(args.config, overrides))}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tokenmind",
@@ -1338,6 +1353,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-strips", type=int, default=3, help="episodes to draw as strips (default 3)")
     p.add_argument("--out", default=None, help="write the result (with per-episode records) as JSON here")
     p.set_defaults(func=cmd_embodied_evaluate)
+    p = emb.add_parser("train", help="train a diffusion policy by behaviour cloning on recorded demonstrations",
+                       description="Train from a YAML config (sections: policy, data, optim, schedule, train), e.g. "
+                                   "--config src/tokenmind/configs/embodied_policy.yaml; override keys as "
+                                   "section.key=value, e.g. train.steps=500 data.demos=runs/embodied/demos.")
+    p.add_argument("--config", default=None, help="YAML policy training config")
+    p.set_defaults(func=cmd_embodied_train, takes_overrides=True)
+    p = emb.add_parser("speedrun", help="record demos, train a diffusion policy, evaluate it against the expert and "
+                                        "random policy, write report.md",
+                       description="The embodied speedrun: demonstrations (reused when present) -> diffusion policy "
+                                   "-> evaluation over seeded episodes -> report.md with a results table, loss curve "
+                                   "and frame strips; a re-run skips finished stages. Override keys as key=value, "
+                                   "e.g. policy.train.steps=100 eval_episodes=10.")
+    p.add_argument("--config", default="cpu-pusht", help="packaged config name (cpu-pusht) or a YAML path")
+    p.set_defaults(func=cmd_embodied_speedrun, takes_overrides=True)
 
     tok = sub.add_parser("tokenizer", help="tokenizer commands").add_subparsers(dest="tokenizer_command",
                                                                                metavar="SUBCOMMAND", required=True)

@@ -1,9 +1,9 @@
-"""What a policy is to the simulator loop, and loading a trained one from disk.
+"""Trained policies as the simulator loop drives them, and loading one from disk.
 
-A policy is any object with `reset()` (a new episode begins) and `act(obs) -> action`, obs being
-the environment's dict ({"pixels": (H, W, 3) uint8, "agent_pos": (2,)}) and the action a (2,)
-target position. The scripted expert, the random baseline and trained policies all fit it, so
-one evaluation loop scores them all.
+A policy (`demos.Policy`) is any object with `reset()` (a new episode begins) and `act(obs) ->
+action`, obs being the environment's dict ({"pixels": (H, W, 3) uint8, "agent_pos": (2,)}) and the
+action a (2,) target position; the scripted expert, the random baseline and trained policies all
+fit it, so one evaluation loop scores them all.
 
 `ChunkingPolicy` turns a model that predicts action chunks into such a policy by receding-horizon
 control: it keeps the last T_o observations (repeating the first one at an episode's start) and a
@@ -16,19 +16,12 @@ from __future__ import annotations
 import json
 from collections import deque
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 import torch
 
+from .demos import Policy
 from .diffusion_policy import KIND, DiffusionPolicy, load_diffusion_policy
-
-
-class Policy(Protocol):
-    """An agent the simulator loop can run; see the module docstring."""
-
-    def reset(self) -> None: ...
-    def act(self, obs: dict[str, np.ndarray]) -> np.ndarray: ...
 
 
 class ChunkingPolicy:
@@ -85,4 +78,8 @@ def load_policy(path: str | Path, seed: int = 0, steps: int | None = None, devic
     kind = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("kind")
     if kind == KIND:
         return ChunkingPolicy(load_diffusion_policy(folder, device), seed=seed, steps=steps)
-    raise ValueError(f"{folder}/config.json names policy kind {kind!r}; this version loads {KIND!r}")
+    if kind == "vla":  # the vision-language-action model (vla.py) has the same chunk interface
+        from .vla import load_vla
+
+        return ChunkingPolicy(load_vla(folder, device), seed=seed, steps=steps)
+    raise ValueError(f"{folder}/config.json names policy kind {kind!r}; this version loads {KIND!r} or 'vla'")
