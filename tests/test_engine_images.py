@@ -59,8 +59,8 @@ def requests(model):
 @pytest.mark.parametrize("case", ["roomy", "chunked", "preemption"])
 def test_batched_images_equal_a_dense_forward_over_the_spliced_embeddings(model, requests, case):
     options = {"roomy": {},
-               "chunked": dict(max_num_batched_tokens=4),  # every image is split over steps
-               "preemption": dict(kv_cache_bytes=pool_bytes(model, 12))}[case]
+               "chunked": {"max_num_batched_tokens": 4},  # every image is split over steps
+               "preemption": {"kv_cache_bytes": pool_bytes(model, 12)}}[case]
     engine = Engine(model, config=EngineConfig(**{"block_size": 4, "max_num_seqs": 4, **options}))
     rids = [engine.add_request(ids, GREEDY, prompt_embeds=embeds) for ids, embeds, _ in requests]
     finals, _ = run(engine)

@@ -22,12 +22,18 @@ from tokenmind.model.load import Pretrained
 from tokenmind.model.transformer import Transformer
 from tokenmind.tokenizer.train import DEFAULT_SPECIAL_TOKENS, train_bpe
 from tokenmind.vision.images import decode_image, to_pixel_values
-from tokenmind.vision.vlm import IMAGE_PLACEHOLDER, build_vlm, load_vlm, render_vlm_chat, save_vlm
+from tokenmind.vision.vlm import (
+    IMAGE_PLACEHOLDER,
+    build_vlm,
+    load_vlm,
+    render_vlm_chat,
+    save_vlm,
+)
 from tokenmind.vision.vlm_eval import greedy_answers
 
 QUESTION = "What is in this picture?"
 MAX_TOKENS = 12
-LIMITS = dict(max_image_bytes=8000, max_image_pixels=100 * 100, max_images_per_request=2)
+LIMITS = {"max_image_bytes": 8000, "max_image_pixels": 100 * 100, "max_images_per_request": 2}
 
 
 def png(seed: int, size: int = 28, mode: str = "L", fmt: str = "PNG", noise: bool = True) -> bytes:

@@ -211,7 +211,7 @@ class Engine:
                                  f"{len(prompt_ids)} tokens; give one placeholder token per embedding row")
             embeds.append(PromptEmbeds(e.start, e.values.to(weight.device, weight.dtype), e.key))
         embeds.sort(key=lambda e: e.start)
-        for before, after in zip(embeds, embeds[1:]):
+        for before, after in itertools.pairwise(embeds):
             if after.start < before.stop:
                 raise ValueError(f"prompt embeddings overlap at positions {after.start}..{before.stop - 1}; give "
                                  "each position at most once")
