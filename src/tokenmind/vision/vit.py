@@ -168,14 +168,19 @@ class ViT(nn.Module):
         return self.head(self.pooled(pixel_values))
 
 
+def write_vit(model: ViT, folder: Path) -> None:
+    """config.json (the `ViTConfig`) + model.safetensors into the existing directory `folder`."""
+    config = {"model_type": MODEL_TYPE, **asdict(model.cfg)}
+    (folder / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    save_file({k: v.detach().float().contiguous() for k, v in model.state_dict().items()},
+              str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
+
+
 def save_vit(model: ViT, path: str | Path) -> Path:
     """Write `model` as the directory `path`: config.json (its `ViTConfig`) + model.safetensors,
     atomically (a temporary sibling renamed into place)."""
     with atomic_directory(path) as tmp:
-        config = {"model_type": MODEL_TYPE, **asdict(model.cfg)}
-        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-        save_file({k: v.detach().float().contiguous() for k, v in model.state_dict().items()},
-                  str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        write_vit(model, tmp)
     return Path(path)
 
 
