@@ -9,10 +9,13 @@ with the official `openai` client, each request a different random 28x28 PNG as 
 - cache: per image, a streaming request (cold), then the same image and text again (warm): time to
   first token and the prompt tokens served from the prefix cache (usage.prompt_tokens_details);
 - concurrency: c clients at once, `--requests` requests in all, `--max-tokens` output tokens each
-  (ignore_eos): requests/s and output tokens/s per level.
+  (ignore_eos): requests/s and output tokens/s per level;
+- answers (`--eval N`, for a trained `--vlm`): the first N Fashion-MNIST test images, each asked
+  "What is in this picture?" through the server (4 clients at once): class accuracy (the class the
+  answer names), and agreement with the offline engine's answers (`vlm_eval.engine_answers`).
 
     python benchmarks/bench_serve_vision.py [--vlm DIR] [--pool-grid 0] [--images 6] [--concurrency 1,4] \\
-        [--out result.json]
+        [--eval 0] [--out result.json]
 """
 
 from __future__ import annotations
@@ -46,16 +49,46 @@ def build_vlm_dir(path: Path, pool_grid: int) -> Path:
     return save_vlm(vlm, lm.tokenizer, path)
 
 
-def image_url(seed: int) -> str:
-    pixels = np.random.default_rng(seed).integers(0, 256, (28, 28), dtype=np.uint8)
+def image_url(seed: int | np.ndarray) -> str:
+    """A PNG data URL of a uint8 (28, 28) array, or of random pixels from a seed."""
+    pixels = np.random.default_rng(seed).integers(0, 256, (28, 28), dtype=np.uint8) if isinstance(seed, int) else seed
     buf = io.BytesIO()
     Image.fromarray(pixels, "L").save(buf, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def messages(seed: int) -> list[dict]:
+def messages(seed: int | np.ndarray) -> list[dict]:
     return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url(seed)}},
                                          {"type": "text", "text": QUESTION}]}]
+
+
+def eval_answers(client, folder: Path, n: int) -> dict:
+    """Server answers about the first n Fashion-MNIST test images: class accuracy, and agreement
+    with the offline engine's answers on the same images."""
+    from tokenmind.diffusion.data import load_split
+    from tokenmind.vision.images import to_pixel_values
+    from tokenmind.vision.vlm import load_vlm
+    from tokenmind.vision.vlm_data import mentioned_class
+    from tokenmind.vision.vlm_eval import engine_answers
+
+    images, labels = load_split("fashion-mnist", "test")
+    images, labels = images[:n].numpy(), labels[:n].tolist()
+
+    def ask(image: np.ndarray) -> str:
+        reply = client.chat.completions.create(model="vlm", messages=messages(image), max_tokens=24, temperature=0)
+        return reply.choices[0].message.content.strip()
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(4) as pool:
+        served = list(pool.map(ask, images))
+    seconds = time.perf_counter() - start
+    model, tokenizer = load_vlm(folder)
+    offline = engine_answers(model, tokenizer, QUESTION, to_pixel_values(images, model.image_size,
+                                                                         model.image_channels))
+    return {"images": n, "seconds": seconds,
+            "class_accuracy": sum(mentioned_class(a) == y for a, y in zip(served, labels)) / n,
+            "agreement_with_offline_engine": sum(a == b for a, b in zip(served, offline)) / n,
+            "examples": [{"label": y, "answer": a} for a, y in list(zip(served, labels))[:5]]}
 
 
 def stream_once(client, model: str, seed: int, max_tokens: int) -> dict:
@@ -82,6 +115,7 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,4")
     ap.add_argument("--requests", type=int, default=8, help="requests per concurrency level")
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--eval", type=int, default=0, metavar="N", help="also ask about N Fashion-MNIST test images")
     ap.add_argument("--out")
     args = ap.parse_args()
     import openai
@@ -110,6 +144,7 @@ def main() -> None:
                 levels.append({"concurrency": c, "requests": len(rows), "requests_per_s": len(rows) / wall,
                                "output_tok_per_s": sum(r["output_tokens"] for r in rows) / wall,
                                "ttft_p50_s": statistics.median(r["ttft_s"] for r in rows)})
+            answers = eval_answers(client, folder, args.eval) if args.eval else None
         finally:
             proc.terminate()
             proc.wait()
@@ -120,7 +155,7 @@ def main() -> None:
                         "warm_ttft_p50_s": statistics.median(r["ttft_s"] for r in warm),
                         "cold_cached_tokens": [r["cached_tokens"] for r in cold],
                         "warm_cached_tokens": [r["cached_tokens"] for r in warm]},
-              "concurrency": levels}
+              "concurrency": levels, "answers": answers}
     emit(result, args.out)
 
 
