@@ -771,6 +771,15 @@ def cmd_embodied_train(args, overrides: list[str]) -> None:
     print(f"policy: {result.final_model_path}  (evaluate with: tokenmind embodied evaluate --policy {result.out_dir})")
 
 
+def cmd_embodied_train_vla(args, overrides: list[str]) -> None:
+    from .embodied.vla_train import load_vla_config, train_vla
+
+    result = train_vla(load_vla_config(args.config, overrides))
+    print(f"done: {result.steps} steps, {result.tokens_seen:,} samples, loss {result.final_loss:.4f}"
+          if result.final_loss is not None else f"done: {result.steps} steps")
+    print(f"VLA: {result.final_model_path}  (evaluate with: tokenmind embodied evaluate --policy {result.out_dir})")
+
+
 def cmd_embodied_speedrun(args, overrides: list[str]) -> None:
     from .embodied.speedrun import load_speedrun_config, speedrun
 
@@ -1359,6 +1368,14 @@ def build_parser() -> argparse.ArgumentParser:
                                    "section.key=value, e.g. train.steps=500 data.demos=runs/embodied/demos.")
     p.add_argument("--config", default=None, help="YAML policy training config")
     p.set_defaults(func=cmd_embodied_train, takes_overrides=True)
+    p = emb.add_parser("train-vla", help="train the vision-language-action model (ViT + SmolLM2 + flow-matching "
+                                         "expert or action tokens) by behaviour cloning",
+                       description="Train from a YAML config (sections: policy, data, optim, schedule, train), e.g. "
+                                   "--config src/tokenmind/configs/embodied_vla.yaml (flow-matching expert) or "
+                                   "embodied_vla_tokens.yaml (RT-2/OpenVLA action tokens); override keys as "
+                                   "section.key=value, e.g. policy.head=tokens train.steps=100.")
+    p.add_argument("--config", default=None, help="YAML VLA training config")
+    p.set_defaults(func=cmd_embodied_train_vla, takes_overrides=True)
     p = emb.add_parser("speedrun", help="record demos, train a diffusion policy, evaluate it against the expert and "
                                         "random policy, write report.md",
                        description="The embodied speedrun: demonstrations (reused when present) -> diffusion policy "
