@@ -724,6 +724,26 @@ def cmd_diffusion_train_vae(args, overrides: list[str]) -> None:
     print(f"VAE: {result.final_model_path}  (latent diffusion with: --diffusion.latent_vae={result.out_dir})")
 
 
+def cmd_vision_train_vit(args, overrides: list[str]) -> None:
+    from .vision.config import load_vit_run_config
+    from .vision.train import train_vit
+
+    run = train_vit(load_vit_run_config(args.config, overrides))
+    print_image_run(run.train)
+    print(f"test accuracy {run.report['test_accuracy']:.4f} on {run.report['test']['images']:,} images; "
+          f"report: {run.report_path}; ViT: {run.train.final_model_path}")
+
+
+def cmd_vision_train_clip(args, overrides: list[str]) -> None:
+    from .vision.config import load_clip_run_config
+    from .vision.train import train_clip
+
+    run = train_clip(load_clip_run_config(args.config, overrides))
+    print_image_run(run.train)
+    print(f"zero-shot accuracy {run.report['zero_shot_accuracy']:.4f} on {run.report['zero_shot']['images']:,} "
+          f"images; report: {run.report_path}; CLIP: {run.train.final_model_path}")
+
+
 def cmd_diffusion_sample(args) -> None:
     from .diffusion.sampling import generate
 
@@ -1340,6 +1360,22 @@ def build_parser() -> argparse.ArgumentParser:
                                     "model.train.steps=100 fid_samples=1000.")
     p.add_argument("--config", default="cpu-diffusion", help="packaged config name (cpu-diffusion) or a YAML path")
     p.set_defaults(func=cmd_diffusion_speedrun, takes_overrides=True)
+
+    vision = sub.add_parser("vision", help="vision: train a ViT classifier or a CLIP-style contrastive ViT on images"
+                            ).add_subparsers(dest="vision_command", metavar="COMMAND", required=True)
+    p = vision.add_parser("train-vit", help="train a ViT classifier, then score the test split (report.md)",
+                          description="Train from a YAML config (sections: model, data, optim, schedule, train), e.g. "
+                                      "--config src/tokenmind/configs/vit_fashion.yaml; override keys as "
+                                      "section.key=value, e.g. train.steps=100 data.dataset=digits.")
+    p.add_argument("--config", default=None, help="YAML ViT run config")
+    p.set_defaults(func=cmd_vision_train_vit, takes_overrides=True)
+    p = vision.add_parser("train-clip", help="train a ViT against generated captions (CLIP-style InfoNCE), then "
+                                             "classify the test split zero-shot (report.md)",
+                          description="Train from a YAML config (sections: model, clip, data, optim, schedule, "
+                                      "train), e.g. --config src/tokenmind/configs/clip_fashion.yaml; override keys "
+                                      "as section.key=value, e.g. clip.mask_same_class=false train.steps=100.")
+    p.add_argument("--config", default=None, help="YAML CLIP run config")
+    p.set_defaults(func=cmd_vision_train_clip, takes_overrides=True)
 
     emb = sub.add_parser("embodied", help="PushT in simulation: record expert demonstrations, evaluate policies"
                          ).add_subparsers(dest="embodied_command", metavar="COMMAND", required=True)
