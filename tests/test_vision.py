@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from tokenmind.cli import main
 from tokenmind.diffusion.data import load_split, to_model_range
 from tokenmind.jsonl import read_jsonl
 from tokenmind.model.transformer import Block
@@ -197,7 +198,7 @@ def digits_overrides(out_dir, steps, **extra):
             "train.out_dir": str(out_dir), **extra}
 
 
-def test_vit_classifier_trains_resumes_exactly_and_reports_test_accuracy(tmp_path):
+def test_vit_classifier_trains_resumes_exactly_and_reports_test_accuracy(tmp_path, capsys):
     whole = train_vit(load_vit_run_config(overrides=digits_overrides(tmp_path / "whole", 40)), progress=False)
     assert np.mean(whole.train.losses[-5:]) < 0.95 * np.mean(whole.train.losses[:5])
     report = json.loads((tmp_path / "whole" / "report.json").read_text())
@@ -214,6 +215,9 @@ def test_vit_classifier_trains_resumes_exactly_and_reports_test_accuracy(tmp_pat
     for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.equal(p, q), name
     assert resumed.report["test_accuracy"] == report["test_accuracy"]
+    # the CLI on the finished run: nothing left to train; the export and the report are rewritten
+    main(["vision", "train-vit", "--config", str(tmp_path / "split" / "config.yaml"), "--train.resume=true"])
+    assert f"test accuracy {report['test_accuracy']:.4f} on 197 images" in capsys.readouterr().out
 
 
 @pytest.mark.slow
