@@ -95,7 +95,8 @@ def decode_image(data: bytes, max_bytes: int, max_pixels: int) -> Image.Image:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"image data must be bytes, got {type(data).__name__}")
     if len(data) > max_bytes:
-        raise ValueError(f"the image is {len(data):,} bytes, over the limit of {max_bytes:,} bytes; send a smaller image")
+        raise ValueError(f"the image is {len(data):,} bytes, over the limit of {max_bytes:,} bytes; "
+                         "send a smaller image")
     if not data:
         raise ValueError("the image is empty (0 bytes)")
     with warnings.catch_warnings():
