@@ -312,3 +312,15 @@ def test_smollm2_vlm_splices_images_and_trains_only_the_projector() -> None:
     terms.loss.backward()
     assert int(terms.count) == len(tokenizer.encode("A sneaker.")) + 1  # the answer and <|im_end|>
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.projector.parameters())
+
+
+def test_cli_trains_a_stage_and_evaluates_it(parts: dict[str, Path], tmp_path: Path, capsys) -> None:
+    from tokenmind.cli import main
+
+    args = [f"--vlm.language_model={parts['lm']}", f"--vlm.vision={parts['vit']}", "--data.dataset=digits",
+            "--data.train_images=16", "--data.val_images=0", "--data.batch_size=2", "--train.steps=2",
+            "--schedule.warmup_steps=1", "--train.precision=fp32", f"--train.out_dir={tmp_path / 'run'}"]
+    assert main(["vision", "train-vlm", "--stage", "1", *args]) == 0
+    assert "done: 2 steps" in capsys.readouterr().out
+    assert main(["vision", "eval-vlm", "--model", str(tmp_path / "run"), "--images", "3", "--dataset", "digits"]) == 0
+    assert "identify_exact_match:" in capsys.readouterr().out and (tmp_path / "run" / "vlm_eval.md").is_file()

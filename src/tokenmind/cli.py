@@ -745,6 +745,27 @@ def cmd_vision_train_clip(args, overrides: list[str]) -> None:
           f"images; report: {run.report_path}; CLIP: {run.train.final_model_path}")
 
 
+def cmd_vision_train_vlm(args, overrides: list[str]) -> None:
+    from .vision.vlm_train import load_vlm_train_config, train_vlm
+
+    stage = [f"vlm.stage={args.stage}"] if args.stage else []
+    result = train_vlm(load_vlm_train_config(args.config, [*overrides, *stage]))
+    losses = [f"{name} {value:.4f}" for name, value in (("train loss", result.final_loss),
+                                                        ("val loss", result.final_val_loss)) if value is not None]
+    print(f"done: {result.steps} steps" + "".join(f", {x}" for x in losses))
+    print(f"VLM: {result.final_model_path}  (evaluate with: tokenmind vision eval-vlm --model {result.out_dir})")
+
+
+def cmd_vision_eval_vlm(args) -> None:
+    from .vision.vlm_eval import eval_vlm
+
+    report = eval_vlm(args.model, args.images, args.dataset, args.out)
+    for name, value in report["metrics"].items():
+        print(f"{name}: {value:.3f}")
+    if "vit_classifier_accuracy_full_test" in report:
+        print(f"vit_classifier_accuracy (whole test split): {report['vit_classifier_accuracy_full_test']:.3f}")
+
+
 def cmd_diffusion_sample(args) -> None:
     from .diffusion.sampling import generate
 
@@ -1368,7 +1389,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default="cpu-diffusion", help="packaged config name (cpu-diffusion) or a YAML path")
     p.set_defaults(func=cmd_diffusion_speedrun, takes_overrides=True)
 
-    vision = sub.add_parser("vision", help="vision: train a ViT classifier or a CLIP-style contrastive ViT on images"
+    vision = sub.add_parser("vision", help="vision: a ViT classifier, a CLIP-style contrastive ViT, a LLaVA-style VLM"
                             ).add_subparsers(dest="vision_command", metavar="COMMAND", required=True)
     p = vision.add_parser("train-vit", help="train a ViT classifier, then score the test split (report.md)",
                           description="Train from a YAML config (sections: model, data, optim, schedule, train), e.g. "
@@ -1383,6 +1404,23 @@ def build_parser() -> argparse.ArgumentParser:
                                       "as section.key=value, e.g. clip.mask_same_class=false train.steps=100.")
     p.add_argument("--config", default=None, help="YAML CLIP run config")
     p.set_defaults(func=cmd_vision_train_clip, takes_overrides=True)
+    p = vision.add_parser("train-vlm", help="train the LLaVA-style VLM: stage 1 the projector, stage 2 + LoRA",
+                          description="Train a VLM stage from a YAML config (sections: vlm, data, lora, optim, "
+                                      "schedule, train), e.g. --config src/tokenmind/configs/vlm_stage1.yaml; "
+                                      "override any field with --section.key=value. Resumes from the last checkpoint.")
+    p.add_argument("--config", default=None, help="YAML VLM config")
+    p.add_argument("--stage", type=int, choices=(1, 2), default=None,
+                   help="1: projector only (ViT and LM frozen); 2: projector + LoRA on the LM (default: the config's)")
+    p.set_defaults(func=cmd_vision_train_vlm, takes_overrides=True)
+    p = vision.add_parser("eval-vlm", help="answer questions about held-out images; exact match, keyword, yes/no",
+                          description="Ask each of the first N test images three questions through the engine and "
+                                      "score the answers; the VLM's ViT classifier is scored beside. Writes "
+                                      "vlm_eval.json and vlm_eval.md to the run folder.")
+    p.add_argument("--model", required=True, help="a `tokenmind vision train-vlm` run folder (or its final/)")
+    p.add_argument("--images", type=int, default=200, help="held-out test images to ask about")
+    p.add_argument("--dataset", default="fashion-mnist")
+    p.add_argument("--out", default=None, help="folder for the report (default: the run folder)")
+    p.set_defaults(func=cmd_vision_eval_vlm)
 
     emb = sub.add_parser("embodied", help="PushT in simulation: record expert demonstrations, evaluate policies"
                          ).add_subparsers(dest="embodied_command", metavar="COMMAND", required=True)
