@@ -38,6 +38,9 @@ from .vlm import IMAGE_PLACEHOLDER, VisionLanguageModel, load_vlm, render_vlm_ch
 from .vlm_data import CATEGORIES, EVAL_QUESTIONS, KEYWORDS, exact_match, identify_answer, mentioned_class, yes_no
 
 IDENTIFY, FOOTWEAR, CAPTION = EVAL_QUESTIONS
+# enough for every reference answer ("An ankle boot." is 5 tokens, captions under 20) and for a
+# wrong answer to show itself, without paying for an untrained model's rambling
+MAX_NEW_TOKENS = {IDENTIFY: 12, FOOTWEAR: 6, CAPTION: 24}
 
 
 @torch.no_grad()
@@ -112,7 +115,7 @@ def evaluate_vlm(model: VisionLanguageModel, tokenizer: Tokenizer, dataset: str 
     was_training = model.training
     model.eval()
     try:
-        answers = {q: engine_answers(model, tokenizer, q, pixels) for q in EVAL_QUESTIONS}
+        answers = {q: engine_answers(model, tokenizer, q, pixels, MAX_NEW_TOKENS[q]) for q in EVAL_QUESTIONS}
     finally:
         model.train(was_training)
     truth = labels.tolist()
