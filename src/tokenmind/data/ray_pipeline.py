@@ -41,7 +41,7 @@ import numpy as np
 from tokenmind.data.clean import DocumentCleaner
 from tokenmind.data.dedup import MinHashDeduplicator, exact_key
 from tokenmind.data.mixture import Mixer
-from tokenmind.data.pipeline import (
+from tokenmind.data.stages import (
     DataPipelineConfig,
     DocumentEncoder,
     Tokenizer,
