@@ -163,7 +163,8 @@ def report_markdown(report: dict[str, Any]) -> str:
              "| metric | value |", "| --- | ---: |"]
     lines += [f"| {name} | {value:.3f} |" for name, value in report["metrics"].items()]
     if "vit_classifier_accuracy_full_test" in report:
-        lines.append(f"| vit_classifier_accuracy (whole test split) | {report['vit_classifier_accuracy_full_test']:.3f} |")
+        full = report["vit_classifier_accuracy_full_test"]
+        lines.append(f"| vit_classifier_accuracy (whole test split) | {full:.3f} |")
     lines += ["", "| image | class | " + " | ".join(EVAL_QUESTIONS) + " |", "| --- " * (2 + len(EVAL_QUESTIONS)) + "|"]
     lines += [f"| {s['image']} | {s['class']} | " + " | ".join(s[q].replace("|", "/") for q in EVAL_QUESTIONS) + " |"
               for s in report["samples"]]
