@@ -132,7 +132,7 @@ def write_report(cfg: EmbodiedSpeedrunConfig, policy_cfg: PolicyTrainConfig, out
 
     lines = [f"# tokenmind embodied speedrun: {cfg.name}", "",
              *([cfg.description.strip(), ""] if cfg.description.strip() else []),
-             f"Total time: **{sum(timings.values()) / 60:.1f} min** (wall, {torch.get_num_threads()} threads). "
+             f"Total time: **{sum(timings.values()) / 60:.1f} min** (wall, torch threads: {torch.get_num_threads()}). "
              "Config: `speedrun.yaml`.", "",
              "| stage | seconds |", "| --- | ---: |", *[f"| {k} | {v} |" for k, v in timings.items()], "",
              "## Results", "",
