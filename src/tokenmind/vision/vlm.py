@@ -11,7 +11,7 @@ the image embeddings. Everything after the splice is the one `Transformer` (`run
 `logits`), so training, evaluation and the serving engine (which receives the spliced rows as
 prompt-embedding overrides) run the same model.
 
-Image tokens: the ViT's class token (when it has one) plus its 7×7 patch grid average-pooled to
+Image tokens: the ViT's class token (when it has one) plus its patch grid (7×7 at patch 4) pooled to
 `pool_grid`×`pool_grid` (0 keeps every patch). Fewer image tokens make every prompt shorter, and
 a 135M LM on a CPU pays per token; `docs/vision.md` has the measured trade-off.
 
