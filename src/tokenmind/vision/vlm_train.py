@@ -25,15 +25,15 @@ import torch.nn.functional as F
 
 from tokenmind.config import Overrides, load_config
 from tokenmind.data.loader import IGNORE_INDEX
+from tokenmind.diffusion.config import DiffusionTrainSection
 from tokenmind.diffusion.data import DATASETS, load_split
 from tokenmind.model.attention import DenseAttentionMetadata
-from tokenmind.model.cpu import fastest_autocast
 from tokenmind.model.load import load_model
 from tokenmind.model.lora import add_lora
 from tokenmind.posttrain.data import pack
 from tokenmind.posttrain.sft import LoRASection, add_stop_ids, val_loader_config
-from tokenmind.train.config import OptimSection, ScheduleSection, TrainSection, check_schedule_fits
-from tokenmind.train.distributed import DistContext, init_distributed, resolve_device
+from tokenmind.train.config import OptimSection, ScheduleSection, check_schedule_fits
+from tokenmind.train.distributed import DistContext, init_distributed
 from tokenmind.train.objectives import LossTerms, autocast
 from tokenmind.train.trainer import Trainer, TrainResult, loader_config
 
@@ -117,17 +117,11 @@ class VLMOptimSection(OptimSection):
 
 
 @dataclass
-class VLMTrainSection(TrainSection):
-    """`TrainSection` writing to runs/vision/vlm; precision `auto` (the default) picks bf16 where
-    the device computes it natively (CUDA, AMX CPUs) and fp32 elsewhere (`fastest_autocast`)."""
+class VLMTrainSection(DiffusionTrainSection):
+    """The image runs' train section (precision `auto`: bf16 where the device computes it natively,
+    CUDA and AMX CPUs, fp32 elsewhere) writing to runs/vision/vlm."""
 
     out_dir: str = "runs/vision/vlm"
-    precision: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.precision == "auto":
-            self.precision = fastest_autocast(resolve_device(self.device).type)
-        super().__post_init__()
 
 
 @dataclass
