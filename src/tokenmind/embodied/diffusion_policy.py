@@ -346,19 +346,29 @@ def save_policy(state: dict[str, torch.Tensor], cfg: DiffusionPolicyConfig, path
                 extra: dict | None = None) -> Path:
     """`path/config.json` ({"kind", "policy": cfg, **extra}) and `path/model.safetensors` (weights and
     normalisation statistics), written atomically."""
+    return write_policy_dir(path, {"kind": KIND, "policy": config_dict(cfg), **(extra or {})}, state)
+
+
+def write_policy_dir(path: str | Path, config: dict, state: dict[str, torch.Tensor]) -> Path:
+    """Any trained policy's folder: `config.json` (naming its "kind") + `model.safetensors`, written atomically."""
     with atomic_directory(path) as tmp:
-        config = {"kind": KIND, "policy": config_dict(cfg), **(extra or {})}
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         save_file({k: v.detach().contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
     return Path(path)
 
 
+def read_policy_config(path: str | Path, kind: str) -> dict:
+    """The config.json of a policy folder written by `write_policy_dir`, checked to be a `kind`."""
+    config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    if config.get("kind") != kind:
+        raise ValueError(f"{path}/config.json is a {config.get('kind')!r}, not a {kind}")
+    return config
+
+
 def load_diffusion_policy(path: str | Path, device: str | torch.device = "cpu") -> DiffusionPolicy:
     """The policy saved at `path` (a folder with config.json + model.safetensors), in eval mode."""
     path = Path(path)
-    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    if config.get("kind") != KIND:
-        raise ValueError(f"{path}/config.json is a {config.get('kind')!r}, not a {KIND}")
+    config = read_policy_config(path, KIND)
     policy = DiffusionPolicy(build_config(DiffusionPolicyConfig, config["policy"]))
     policy.load_state_dict(load_file(str(path / "model.safetensors")))
     return policy.to(device).eval()

@@ -38,13 +38,12 @@ rows included, so a saved VLA needs nothing else), written atomically (`save_vla
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from tokenmind.config import build_config, config_dict
@@ -53,7 +52,6 @@ from tokenmind.diffusion.objectives import T_SAMPLINGS
 from tokenmind.diffusion.sampling import sample
 from tokenmind.diffusion.schedules import FlowMatchEulerScheduler
 from tokenmind.model.attention import DenseMask
-from tokenmind.model.checkpoint import atomic_directory
 from tokenmind.model.config import ModelConfig
 from tokenmind.model.lora import LoRAConfig, add_lora
 from tokenmind.model.transformer import Block, Transformer, rms_norm
@@ -61,7 +59,7 @@ from tokenmind.tokenizer import Tokenizer
 from tokenmind.vision.vit import ViT, ViTConfig
 from tokenmind.vision.vlm import VisionLanguageModel, choose_image_token
 
-from .diffusion_policy import Normalizer, crop
+from .diffusion_policy import Normalizer, crop, read_policy_config, write_policy_dir
 
 KIND = "vla"  # config.json's "kind": what `policy.load_policy` builds
 HEADS = ("flow", "tokens")
@@ -345,18 +343,13 @@ def save_vla(model: VLA, path: str | Path, state: dict[str, torch.Tensor] | None
         state.pop("vlm.language_model.lm_head.weight", None)
     config = {"kind": KIND, "policy": config_dict(model.cfg), "lm_config": lm.cfg.to_hf(),
               "image_token_id": model.vlm.image_token_id, "instruction_ids": model.instruction_ids, **(extra or {})}
-    with atomic_directory(path) as tmp:
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-        save_file({k: v.detach().contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
-    return Path(path)
+    return write_policy_dir(path, config, state)
 
 
 def load_vla(path: str | Path, device: str | torch.device = "cpu") -> VLA:
     """The VLA saved at `path` (config.json + model.safetensors), in eval mode."""
     path = Path(path)
-    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    if config.get("kind") != KIND:
-        raise ValueError(f"{path}/config.json is a {config.get('kind')!r}, not a {KIND}")
+    config = read_policy_config(path, KIND)
     cfg = build_config(VLAConfig, config["policy"])
     lm = Transformer(ModelConfig.from_hf(config["lm_config"]))
     model = VLA(cfg, prepare_lm(cfg, lm), int(config["image_token_id"]), config["instruction_ids"])
