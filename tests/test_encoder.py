@@ -139,7 +139,11 @@ def test_the_int8_encoder_stays_close_to_float32_and_keeps_the_neighbours():
     assert int8.quantize == "int8" and fp32.quantize is None
     want, got = fp32.embed(TEXTS), int8.embed(TEXTS)
     cosine = (got * want).sum(-1)
-    assert float(cosine.min()) > 0.97 and float(cosine.mean()) > 0.98, cosine
+    # With AVX-512 VNNI the activations keep all 8 bits; without it they are cut to 7 (reduce_range) and
+    # the error roughly doubles: measured on an AVX2-only AMD EPYC, min 0.92 / mean 0.96 over these texts.
+    from tokenmind.model.cpu import cpu_has_avx512_vnni
+    least, mean = (0.97, 0.98) if cpu_has_avx512_vnni() else (0.90, 0.95)
+    assert float(cosine.min()) > least and float(cosine.mean()) > mean, cosine
     assert float(cosine.min()) < 0.99999  # it did run quantized
     sims = got[:3] @ got[:3].T  # the paraphrase is still close and the unrelated text still far
     assert sims[0, 1] > 0.7 and abs(float(sims[0, 2])) < 0.2
