@@ -13,7 +13,6 @@ from test_serve_fixtures import byte_tokenizer
 from test_train_helpers import one_thread  # noqa: F401 (autouse fixture)
 
 from tokenmind.cli import main
-from tokenmind.model.cpu import cpu_flags
 from tokenmind.model.awq import _rules, awq_search_scales, fake_quantize_int4, fold_scales, output_error, quantize_awq
 from tokenmind.model.calibrate import LinearStats, calibration_ids
 from tokenmind.model.checkpoint import save_hf_dir
@@ -23,11 +22,6 @@ from tokenmind.model.load import load_model, quantize_pretrained
 from tokenmind.model.quant import Int4Linear, quantize_model
 from tokenmind.model.transformer import Transformer
 
-# Found on an AVX2-only AMD EPYC (no AVX-512), the first such machine this suite met: the int4 results differ from
-# the AVX-512 machines' these tests were written on (packed GPTQ codes ≠ round-to-nearest under an identity Hessian).
-# Open defect, not yet diagnosed; the tests still run there and report XPASS once it is fixed.
-pytestmark = pytest.mark.xfail("avx512f" not in cpu_flags(), reason="int4 calibration differs on AVX2-only CPUs "
-                               "(open defect, see the session note)", strict=False)
 
 
 def correlated_inputs(rows: int, cols: int, seed: int = 0, outliers: int = 0) -> torch.Tensor:

@@ -28,13 +28,15 @@ more than 4 bits, so they go to the per-channel int8 kernel (which has no per-bl
 requantized from their dequantized values (one extra rounding, error ≤ half a per-channel step).
 
 Layout of `_convert_weight_to_int4pack_for_cpu` (probed; `_unpack_int4` inverts it and the tests
-check it against the kernel): (N, K/2) uint8; rows go in blocks of 64, and block b viewed as
-(K, 32) bytes holds row 64b+j in the low and row 64b+32+j in the high nibble of byte [k, j]; a
-last partial block of R rows viewed as (K, R/2) holds rows 2j and 2j+1 in byte [k, j].
+check it against the kernel): (N, K/2) uint8; rows go in blocks of B (64 where PyTorch runs its
+AVX-512 kernels, 32 on AVX2: `_int4_block_rows` probes it once), and block b viewed as (K, B/2)
+bytes holds row Bb+j in the low and row Bb+B/2+j in the high nibble of byte [k, j]; a last
+partial block of R rows viewed as (K, R/2) holds rows 2j and 2j+1 in byte [k, j].
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import numpy as np
@@ -278,13 +280,23 @@ def int4_round(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> to
     return q.clamp_(0, 15).to(torch.uint8)
 
 
+@functools.cache
+def _int4_block_rows() -> int:
+    """Rows per block of the int4 packing on this CPU: where row B/2 lands tells B (64 or 32)."""
+    probe = torch.zeros(64, 32, dtype=torch.int32)
+    probe[32, 0] = 1
+    packed = torch._convert_weight_to_int4pack_for_cpu(probe, 1)
+    return 64 if packed[0, 0] == 0x10 else 32
+
+
 def _unpack_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """Invert `_convert_weight_to_int4pack_for_cpu` (layout in the module docstring) → (n, k) uint8 codes."""
     out = torch.empty(n, k, dtype=torch.uint8, device=packed.device)
-    full = n // 64 * 64
-    if full:  # transpose the bytes first, then each nibble plane is 32 whole rows
-        p = packed[:full].view(full // 64, k, 32).transpose(1, 2)
-        rows = out[:full].view(full // 64, 2, 32, k)
+    b = _int4_block_rows()
+    full = n // b * b
+    if full:  # transpose the bytes first, then each nibble plane is b/2 whole rows
+        p = packed[:full].view(full // b, k, b // 2).transpose(1, 2)
+        rows = out[:full].view(full // b, 2, b // 2, k)
         torch.bitwise_and(p, 15, out=rows[:, 0])
         torch.bitwise_right_shift(p, 4, out=rows[:, 1])
     if n > full:
