@@ -23,7 +23,7 @@ from tokenmind.config import Overrides
 from tokenmind.config import load_config as load_schema
 from tokenmind.model.transformer import Transformer
 from tokenmind.tokenizer import Tokenizer
-from tokenmind.train.config import OptimSection, ScheduleSection, check_schedule_fits
+from tokenmind.train.config import OptimSection, ScheduleSection
 from tokenmind.train.distributed import DistContext, init_distributed
 from tokenmind.train.objectives import LossTerms, autocast
 from tokenmind.train.trainer import TrainResult
@@ -34,6 +34,7 @@ from .policy_train import (
     ChunkDenoisingObjective,
     ChunkLoader,
     DemoDataSection,
+    PolicyTrainConfig,
     PolicyTrainer,
     PolicyTrainSection,
     exported_state,
@@ -52,17 +53,14 @@ class VLATrainSection(PolicyTrainSection):
 
 
 @dataclass
-class VLATrainConfig:
-    """A VLA behaviour-cloning run: the VLA, its data, and the trainer's optim/schedule/train sections."""
+class VLATrainConfig(PolicyTrainConfig):
+    """A VLA behaviour-cloning run: the diffusion policy's run with the VLA in place of the policy,
+    and the optimizer and warm-up a LoRA'd language model trains well with."""
 
     policy: VLAConfig = field(default_factory=VLAConfig)
-    data: DemoDataSection = field(default_factory=DemoDataSection)
     optim: OptimSection = field(default_factory=lambda: OptimSection(lr=3e-4, betas=(0.9, 0.95), weight_decay=1e-4))
     schedule: ScheduleSection = field(default_factory=lambda: ScheduleSection(warmup_steps=50))
     train: VLATrainSection = field(default_factory=VLATrainSection)
-
-    def __post_init__(self) -> None:
-        check_schedule_fits(self.schedule, self.train)
 
 
 def load_vla_config(path: str | Path | None = None, overrides: Overrides = ()) -> VLATrainConfig:
