@@ -35,10 +35,10 @@ from tokenmind.train.config import ScheduleSection, TrainSection, check_schedule
 from tokenmind.train.distributed import DistContext, init_distributed
 from tokenmind.train.trainer import Trainer, TrainResult
 
+from .data import prepare_chat_data
 from .rewards import RewardMix
 from .rl import ADVANTAGES, AGGREGATIONS, ALGORITHMS, KL_PLACES, RLObjective
 from .rollout import RolloutLoader, RolloutSettings
-from .data import prepare_chat_data
 from .sft import LoRASection, SFTOptimSection, SFTSection, adapter_base, add_stop_ids, load_start
 from .tasks import Reward, get_verifier, multistep_items, reasoning_gym_items
 
@@ -59,6 +59,11 @@ class RLSection:
         max_new_tokens / 4 for dapo, else off). max_sampling_rounds: dynamic sampling's limit.
     gamma/lam/vf_coef/value_clip: PPO's GAE, value-loss weight and value clipping.
     eval_max_new_tokens: the held-out evaluation's length limit (0 = max_new_tokens).
+    rollout_workers: 0 samples in this process on the live weights; N samples on N Ray actors that
+        get the weights after every step (`ray_rollout.py`, `pip install 'tokenmind[ray]'`), each
+        with rollout_cpus CPUs. async_rollouts: sample the next rollout while the learner trains on
+        this one (one step stale; needs rollout_workers >= 1). ray_address: the cluster to join
+        (empty: the one this process joined, else a new local instance).
     """
 
     algo: str = "grpo"
@@ -84,6 +89,10 @@ class RLSection:
     vf_coef: float = 0.1
     value_clip: float = 0.2
     eval_max_new_tokens: int = 0
+    rollout_workers: int = 0
+    rollout_cpus: int = 1
+    async_rollouts: bool = False
+    ray_address: str = ""
 
     def __post_init__(self) -> None:
         if self.algo not in ALGORITHMS:
@@ -117,6 +126,11 @@ class RLSection:
             raise ValueError("rl.clip_low, rl.clip_high and rl.kl_coef must be >= 0")
         if not self.rewards:
             raise ValueError("rl.rewards is empty; name at least one reward, e.g. task")
+        if self.rollout_workers < 0 or self.rollout_cpus < 1:
+            raise ValueError("rl.rollout_workers must be >= 0 (0: sample in-process) and rl.rollout_cpus >= 1")
+        if self.async_rollouts and not self.rollout_workers:
+            raise ValueError("rl.async_rollouts=true overlaps sampling on Ray actors with learning here; set "
+                             "rl.rollout_workers >= 1 or rl.async_rollouts=false")
 
     def settings(self, precision: str) -> RolloutSettings:
         return RolloutSettings(self.group_size, self.max_new_tokens, self.temperature, self.top_p, self.advantage,
@@ -252,7 +266,18 @@ def split_tasks(data: TaskSection) -> tuple[list[dict], list[dict], Reward, int]
 
 
 class RLTrainer(Trainer):
-    """The one `Trainer`; the export drops PPO's value head (the policy alone is the product)."""
+    """The one `Trainer`, telling the rollout loader about every update (version = the step, so
+    rollout workers get the weights and each rollout's staleness is known); the export drops PPO's
+    value head (the policy alone is the product)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.loader.policy_updated(self.step)  # a resumed run's weights are the checkpoint's
+
+    def train_step(self) -> dict[str, float]:
+        stats = super().train_step()
+        self.loader.policy_updated(self.step + 1)
+        return stats
 
     def export(self) -> Path:
         head = self.model._modules.pop("value_head", None)
@@ -302,6 +327,13 @@ def build_rl_trainer(cfg: RLConfig, ctx: DistContext, task: Task | None = None) 
         reference.to(ctx.device)
     loader = RolloutLoader(train_items, start, rl.settings(cfg.train.precision), rewards, verifier, data.batch_size,
                            cfg.train.grad_accum, data.seed, end_id, reference, with_values)
+    if rl.rollout_workers:  # sized by what the loader found (the adapter, the longest prompt)
+        from .ray_rollout import RolloutActors
+
+        loader.workers = RolloutActors(start, loader.adapter, rl.rollout_workers, rl.rollout_cpus,
+                                       data.batch_size * cfg.train.grad_accum * rl.group_size, loader.max_len,
+                                       rl.ray_address or None)
+        loader.async_rollouts = rl.async_rollouts
     objective = RLObjective(rl.aggregation, rl.clip_low, rl.clip_high, rl.kl_coef if rl.kl_place == "loss" else 0.0,
                             rl.temperature, rl.max_new_tokens, rl.vf_coef if with_values else 0.0, rl.value_clip)
     evaluator = (lambda: loader.evaluate(held_out, rl.eval_max_new_tokens or None)) if held_out else None
@@ -330,7 +362,9 @@ def _turn_end(tokenizer: Any) -> int:
 def rl_train(cfg: RLConfig, task: Task | None = None) -> TrainResult:
     """Train (or resume) the RL run `cfg` describes (on `task` if given), then plot its report (`rl.png`)."""
     with contextlib.closing(init_distributed(cfg.train.distributed, cfg.train.device)) as ctx:
-        result = build_rl_trainer(cfg, ctx, task).train()
+        trainer = build_rl_trainer(cfg, ctx, task)
+        with contextlib.closing(trainer.loader):  # rollout workers stop with the run
+            result = trainer.train()
     plot_rl(result.metrics_path, Path(cfg.train.out_dir) / "rl.png")
     return result
 

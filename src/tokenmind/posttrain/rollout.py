@@ -16,6 +16,13 @@ one micro-batch per grad_accum slice, and no-grad forwards add what the loss nee
 reference's log-probs (KL), the policy's own (when the rollout is reused for several updates, or
 the KL goes into the reward) and, for PPO, values and GAE advantages. The loader then serves the
 micro-batches `epochs` times (μ updates per rollout, GRPO's iterations) before sampling again.
+
+Generation can also run on Ray actors (`ray_rollout.RolloutActors`, `rl.rollout_workers`): each holds
+a copy of the policy, the trainer pushes the weights after every optimizer step (`policy_updated`),
+and the same requests (same seeds) go to them, so a synchronous run draws the same samples as here.
+Every group records the policy version (optimizer steps) it was sampled with; with
+`async_rollouts` the next rollout is requested as the learner starts the last step that uses the
+current one, so sampling overlaps that step and the samples are one version stale.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import torch
 from torch import nn
 
 from tokenmind.engine.llm import LLM
+from tokenmind.engine.outputs import RequestOutput
 from tokenmind.engine.sampling import SamplingParams
 from tokenmind.model.load import Pretrained
 from tokenmind.model.lora import adapter_names, routing_of
@@ -80,6 +88,20 @@ class Group:
     truncated: list[bool]
     rewards: list[float] = field(default_factory=list)
     correct: list[float] = field(default_factory=list)
+    version: int = 0  # the policy version (optimizer steps) that sampled it
+
+
+@dataclass
+class Generation:
+    """One batch of requests' outputs (prompt order), the policy version each came from, and the
+    seconds the engine took. Ray actors hand back a pending one; this one is already done."""
+
+    outputs: list[RequestOutput]
+    versions: list[int]
+    seconds: float
+
+    def result(self) -> Generation:
+        return self
 
 
 @contextmanager
@@ -93,6 +115,29 @@ def adapter_off(model: nn.Module):
         routing.active = active
 
 
+def rollout_engine(policy: Pretrained, seqs: int, max_len: int) -> LLM:
+    """A paged engine on `policy` with room for `seqs` sequences of `max_len` tokens at once."""
+    model = policy.model
+    blocks = seqs * (-(-max_len // 16) + 1)  # an upper bound: no prompt sharing counted
+    per_block = PagedKVCache.bytes_per_block(model.cfg, 16, model.embed_tokens.weight.dtype)
+    return LLM(policy, block_size=16, kv_cache_bytes=blocks * per_block, max_num_seqs=seqs, max_model_len=max_len,
+               max_num_batched_tokens=max(2048, seqs))
+
+
+def generate_eval(llm: LLM, prompts: list[list[int]], params: list[SamplingParams],
+                  adapter: str | None) -> list[RequestOutput]:
+    """Outputs of the engine's model in eval mode (no dropout), its prefix cache dropped first (its
+    k/v may come from weights that have changed since)."""
+    model = llm.pretrained.model
+    llm.reset_prefix_cache()
+    was_training = model.training
+    model.eval()
+    try:
+        return llm.generate(prompts, params, progress=False, adapter=adapter)
+    finally:
+        model.train(was_training)
+
+
 def prompt_ids(tokenizer: Any, prompt: str | list[dict]) -> list[int]:
     """A chat prompt rendered with the generation prompt; a string continued as plain text."""
     if isinstance(prompt, list):
@@ -102,11 +147,19 @@ def prompt_ids(tokenizer: Any, prompt: str | list[dict]) -> list[int]:
 
 class RolloutLoader:
     """Endless `RolloutBatch`es for the `Trainer` (see the module docstring); its position (prompt
-    order, rollouts done, the micro-batches still to serve) is saved in checkpoints."""
+    order, rollouts done, the micro-batches still to serve) is saved in checkpoints.
+
+    workers: generators elsewhere (`ray_rollout.RolloutActors`: `submit(prompts, params)` → a pending
+    `Generation`, `push(model, version)`, `close()`); None samples here, on the live policy.
+    async_rollouts (needs workers): request the next rollout while the learner trains on this one."""
 
     def __init__(self, items: Sequence[Item], policy: Pretrained, settings: RolloutSettings, rewards: RewardMix,
                  verifier: Reward, batch_size: int, grad_accum: int, seed: int, end_id: int,
-                 reference: nn.Module | None = None, with_values: bool = False) -> None:
+                 reference: nn.Module | None = None, with_values: bool = False, workers: Any = None,
+                 async_rollouts: bool = False) -> None:
+        if async_rollouts and workers is None:
+            raise ValueError("async rollouts overlap sampling with learning on other workers; set rl.rollout_workers "
+                             ">= 1 or rl.async_rollouts=false")
         if not items:
             raise ValueError("no task items to train on")
         self.items, self.policy, self.s = list(items), policy, settings
@@ -122,30 +175,44 @@ class RolloutLoader:
         self.logp_gaps: list[float] = []
         self.served_tokens = 0
         self.llm: LLM | None = None
+        self.workers, self.async_rollouts = workers, async_rollouts
+        self.version = 0  # the learner's optimizer steps so far
+        self.prefetched: tuple[list[int], Any] | None = None  # the next rollout's first round, being sampled
+        self.resume_at: tuple[int, int, int] | None = None  # (epoch, cursor, rollouts) before that request
 
     # ---- the engine ------------------------------------------------------------------------------
 
     def engine(self) -> LLM:
         """The engine on the live policy (built once, after the trainer placed the model)."""
         if self.llm is None:
-            model = self.policy.model
-            seqs = self.batch_size * self.grad_accum * self.s.group_size
-            blocks = seqs * (-(-self.max_len // 16) + 1)  # an upper bound: no prompt sharing counted
-            per_block = PagedKVCache.bytes_per_block(model.cfg, 16, model.embed_tokens.weight.dtype)
-            self.llm = LLM(self.policy, block_size=16, kv_cache_bytes=blocks * per_block, max_num_seqs=seqs,
-                           max_model_len=self.max_len, max_num_batched_tokens=max(2048, seqs))
+            self.llm = rollout_engine(self.policy, self.batch_size * self.grad_accum * self.s.group_size,
+                                      self.max_len)
         return self.llm
 
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list:
-        """Outputs of the live policy in eval mode (no dropout), its prefix cache dropped first."""
-        llm, model = self.engine(), self.policy.model
-        llm.reset_prefix_cache()
-        was_training = model.training
-        model.eval()
-        try:
-            return llm.generate(prompts, params, progress=False, adapter=self.adapter)
-        finally:
-            model.train(was_training)
+    def submit(self, prompts: list[list[int]], params: list[SamplingParams]) -> Any:
+        """Start generating (on the workers), or generate here on the live policy; `.result()` of
+        what it returns is the `Generation`."""
+        if self.workers is not None:
+            return self.workers.submit(prompts, params)
+        tick = time.perf_counter()
+        outputs = generate_eval(self.engine(), prompts, params, self.adapter)
+        return Generation(outputs, [self.version] * len(outputs), time.perf_counter() - tick)
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[RequestOutput]:
+        """Outputs of the current policy, in prompt order."""
+        return self.submit(prompts, params).result().outputs
+
+    def policy_updated(self, version: int) -> None:
+        """The learner's weights are now `version` (its optimizer steps): the workers get them. Here
+        nothing moves: the engine runs on the live weights and drops its prefix cache per batch."""
+        self.version = version
+        if self.workers is not None:
+            self.workers.push(self.policy.model, version)
+
+    def close(self) -> None:
+        """Stop the workers (nothing to do without them)."""
+        if self.workers is not None:
+            self.workers.close()
 
     def evaluate(self, items: Sequence[Item], max_new_tokens: int | None = None) -> dict[str, float]:
         """Greedy accuracy (the verifier's mean score) and mean completion length on `items`."""
@@ -171,15 +238,20 @@ class RolloutLoader:
             self.cursor += len(take)
         return chosen
 
-    def sample_groups(self, indices: list[int], round_: int) -> list[Group]:
+    def sample_groups(self, indices: list[int], round_: int) -> tuple[list[int], Any]:
+        """Start sampling the groups of `indices`, sampling round `round_` of rollout `self.rollouts`;
+        each prompt's seed comes from (run seed, rollout, round, its place), wherever it runs."""
         s = self.s
         params = [SamplingParams(max_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                                  n=s.group_size, logprobs=0, stop_token_ids=[self.end_id], ignore_eos=True,
                                  seed=int(np.random.default_rng([self.seed, self.rollouts, round_, i]).integers(2**31)))
                   for i in range(len(indices))]
-        outputs = self.generate([self.prompts[i] for i in indices], params)
+        return indices, self.submit([self.prompts[i] for i in indices], params)
+
+    def groups(self, indices: list[int], generation: Generation) -> list[Group]:
+        """The groups of a finished generation, tagged with the policy version that sampled them."""
         groups = []
-        for i, out in zip(indices, outputs):
+        for i, out, version in zip(indices, generation.outputs, generation.versions):
             completions, logps, truncated = [], [], []
             for c in out.outputs:
                 stopped = c.finish_reason == "stop"
@@ -187,7 +259,7 @@ class RolloutLoader:
                 logps.append([lp.logprob for lp in c.logprobs] + ([math.nan] if stopped else []))
                 truncated.append(not stopped)
             groups.append(Group(self.items[i], self.prompts[i], completions, [c.text.strip() for c in out.outputs],
-                                logps, truncated))
+                                logps, truncated, version=version))
         return groups
 
     def score(self, groups: list[Group]) -> dict[str, list[float]]:
@@ -217,9 +289,14 @@ class RolloutLoader:
         parts: dict[str, list[float]] = {}
         generate_s = 0.0
         for round_ in range(self.s.max_sampling_rounds if self.s.dynamic_sampling else 1):
-            tick = time.perf_counter()
-            groups = self.sample_groups(self.next_items(need - len(kept)), round_)
-            generate_s += time.perf_counter() - tick
+            if round_ == 0 and self.prefetched is not None:  # requested while the learner took its last step
+                indices, pending = self.prefetched
+                self.prefetched = self.resume_at = None
+            else:
+                indices, pending = self.sample_groups(self.next_items(need - len(kept)), round_)
+            generation = pending.result()
+            generate_s += generation.seconds
+            groups = self.groups(indices, generation)
             for name, values in self.score(groups).items():
                 parts.setdefault(name, []).extend(values)
             generated += groups
@@ -245,6 +322,9 @@ class RolloutLoader:
             "rollout_tokens_per_s": tokens / generate_s, "rollout_s": sample_s,
             "prepare_s": time.perf_counter() - started - sample_s,
             "rollout_tokens": float(sum(len(c) for g in kept for c in g.completions)),
+            # the oldest weights sampled from, and how many updates behind the learner's they are
+            "policy_version": float(min(g.version for g in kept)),
+            "staleness": float(self.version - min(g.version for g in kept)),
         }
         if self.logp_gaps:  # how far the engine's log-probs are from the learner's on the same tokens
             self.metrics["sampler_logp_gap"] = float(np.mean(self.logp_gaps))
@@ -327,6 +407,10 @@ class RolloutLoader:
         if not self.pending:
             self.rollout()
         batch = self.pending.pop(0)
+        if self.async_rollouts and self.prefetched is None and len(self.pending) < self.grad_accum:
+            # the learner starts the last step on this rollout: sample the next one meanwhile
+            self.resume_at = (self.epoch, self.cursor, self.rollouts)
+            self.prefetched = self.sample_groups(self.next_items(self.batch_size * self.grad_accum), 0)
         self.served_tokens += batch.tokens
         return batch
 
@@ -338,7 +422,10 @@ class RolloutLoader:
         return metrics
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "cursor": self.cursor, "rollouts": self.rollouts, "items": len(self.items),
+        """The position; a rollout still being sampled is not saved: a resumed run samples it again
+        (from its own weights, so an async run's resume is not bit-exact, unlike a synchronous one)."""
+        epoch, cursor, rollouts = self.resume_at or (self.epoch, self.cursor, self.rollouts)
+        return {"epoch": epoch, "cursor": cursor, "rollouts": rollouts, "items": len(self.items),
                 "pending": [_batch_state(b) for b in self.pending]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -347,6 +434,7 @@ class RolloutLoader:
                              f"{len(self.items)}; resume with the same data section")
         self.epoch, self.cursor, self.rollouts = state["epoch"], state["cursor"], state["rollouts"]
         self.pending = [_batch_from_state(b) for b in state["pending"]]
+        self.prefetched = self.resume_at = None
 
 
 def _batch_state(batch: RolloutBatch) -> dict[str, Any]:
