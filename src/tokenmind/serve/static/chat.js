@@ -3,7 +3,9 @@
 // ReadableStream and split into `data: ...` events by hand. Stop aborts the fetch: the server
 // sees the connection close and aborts the generation, freeing its KV cache. Assistant replies are
 // rendered as sanitised markdown (vendor/: marked + DOMPurify) and streamed tool calls as blocks of
-// name and arguments; user messages stay plain text.
+// name and arguments; user messages stay plain text. When the served model reads images (its
+// /v1/models card lists "image" in `input_modalities`), images can be attached, pasted or dropped:
+// they go out as OpenAI `image_url` parts holding PNG or JPEG data URLs, before the message's text.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -11,10 +13,11 @@ const ui = {
   conversation: $("conversation"), empty: $("empty"), input: $("input"), send: $("send"), stop: $("stop"),
   form: $("composer"), model: $("model"), status: $("status"), newChat: $("new-chat"),
   temperature: $("temperature"), temperatureValue: $("temperature-value"), maxTokens: $("max-tokens"),
-  system: $("system"), apiKey: $("api-key"),
+  system: $("system"), apiKey: $("api-key"), attach: $("attach"), file: $("image-file"), attachments: $("attachments"),
 };
 
-const state = { messages: [], model: null, controller: null };
+// `attachments`: the images waiting in the composer, each {name, url, width, height}.
+const state = { messages: [], model: null, controller: null, acceptsImages: false, attachments: [] };
 
 function headers() {
   const h = { "Content-Type": "application/json" };
@@ -29,13 +32,115 @@ function element(tag, className, text) {
   return el;
 }
 
-function addBubble(role, text) {
+function addBubble(role, text, images = []) {
   ui.empty.hidden = true;
   const div = element("div", "message " + role, text);  // textContent: user text is never parsed as markup
   div.dataset.role = role;
+  if (images.length) div.prepend(thumbnails(images));
   ui.conversation.appendChild(div);
   div.scrollIntoView({ block: "end" });
   return div;
+}
+
+function thumbnails(images) {
+  const row = element("div", "thumbnails");
+  for (const image of images) {
+    const img = row.appendChild(element("img"));
+    img.src = image.url;  // always a data: URL this page drew itself (see readImage)
+    img.alt = image.name;
+  }
+  return row;
+}
+
+// --- Images: attach, paste or drop; downscaled and re-encoded on a canvas -------------------------------
+// Every image is drawn onto a canvas at most MAX_IMAGE_SIDE pixels on its longer side (on white, so
+// transparency does not turn black) and sent as PNG or JPEG, whichever is smaller — PNG for drawings and
+// screenshots, JPEG (quality 0.9) for photos, where a 512-pixel PNG is several times larger. So requests
+// stay small (a VLM resizes to its ViT's few pixels anyway; the server's default limit is 4 MiB per
+// image), any format the browser reads (GIF, BMP, HEIC on Safari...) arrives as one the server decodes,
+// and the file's metadata (EXIF location, ...) never leaves the browser.
+const MAX_IMAGE_SIDE = 512;
+
+async function readImage(file) {
+  let bitmap;
+  try {
+    bitmap = await createImageBitmap(file);
+  } catch (_) {
+    throw new Error(`${file.name || "the pasted file"} is not an image this browser can read`);
+  }
+  const scale = Math.min(1, MAX_IMAGE_SIDE / Math.max(bitmap.width, bitmap.height));
+  const canvas = element("canvas");
+  canvas.width = Math.max(1, Math.round(bitmap.width * scale));
+  canvas.height = Math.max(1, Math.round(bitmap.height * scale));
+  const context = canvas.getContext("2d");
+  context.fillStyle = "white";
+  context.fillRect(0, 0, canvas.width, canvas.height);
+  context.imageSmoothingQuality = "high";
+  context.drawImage(bitmap, 0, 0, canvas.width, canvas.height);
+  bitmap.close();
+  const png = canvas.toDataURL("image/png"), jpeg = canvas.toDataURL("image/jpeg", 0.9);
+  return { name: file.name || "pasted image", url: jpeg.length < png.length ? jpeg : png, width: canvas.width,
+    height: canvas.height };
+}
+
+function imagesRefusal() {
+  return state.model ? `${state.model} reads text only; serve a vision-language model (tokenmind serve --model VLM_DIR) `
+    + "to attach images" : "not connected to a model yet";
+}
+
+async function attachFiles(files) {
+  if (!state.acceptsImages) {
+    ui.status.textContent = imagesRefusal();
+    return;
+  }
+  for (const file of files) {
+    try {
+      state.attachments.push(await readImage(file));
+    } catch (e) {
+      ui.status.textContent = "error: " + e.message;
+    }
+  }
+  renderAttachments();
+}
+
+// The composer's thumbnails, each with a Remove button; an image alone (no text) may be sent.
+function renderAttachments() {
+  ui.attachments.replaceChildren(...state.attachments.map((image, index) => {
+    const item = element("li", "attachment");
+    item.appendChild(thumbnails([image]));
+    const remove = item.appendChild(element("button", "remove", "×"));
+    remove.type = "button";
+    remove.dataset.index = String(index);
+    remove.setAttribute("aria-label", `Remove image ${image.name}`);
+    remove.title = `Remove ${image.name} (${image.width}×${image.height})`;
+    return item;
+  }));
+  ui.attachments.hidden = state.attachments.length === 0;
+  ui.input.required = state.attachments.length === 0;
+}
+
+function onRemoveClick(event) {
+  const button = event.target.closest("button.remove");
+  if (!button) return;
+  state.attachments.splice(Number(button.dataset.index), 1);
+  renderAttachments();
+  // Keyboard users keep their place: the next Remove button, else the attach button.
+  const buttons = ui.attachments.querySelectorAll("button.remove");
+  (buttons[Math.min(Number(button.dataset.index), buttons.length - 1)] || ui.attach).focus();
+}
+
+// aria-disabled rather than disabled: the button stays focusable and its tooltip says why.
+function updateAttach() {
+  ui.attach.setAttribute("aria-disabled", String(!state.acceptsImages));
+  ui.attach.title = state.acceptsImages
+    ? `Attach images (or paste or drop them); sent at most ${MAX_IMAGE_SIDE} px on a side` : imagesRefusal();
+}
+
+// OpenAI's content parts: the images first, then the text (the layout LLaVA-style models train on).
+function userContent(text, images) {
+  if (!images.length) return text;
+  const parts = images.map((image) => ({ type: "image_url", image_url: { url: image.url } }));
+  return text ? parts.concat([{ type: "text", text }]) : parts;
 }
 
 // Markdown → HTML is marked's job, HTML → safe DOM is DOMPurify's. Two choices on top: raw HTML in
@@ -196,10 +301,14 @@ async function loadModel() {
       ui.model.textContent = response.status === 401 ? "API key needed (Settings)" : await errorMessage(response);
       return;
     }
-    state.model = (await response.json()).data[0].id;
+    const card = (await response.json()).data[0];
+    state.model = card.id;
+    state.acceptsImages = (card.input_modalities || []).includes("image");
     ui.model.textContent = state.model;
   } catch (e) {
     ui.model.textContent = "server unreachable";
+  } finally {
+    updateAttach();
   }
 }
 
@@ -230,14 +339,15 @@ function setBusy(busy) {
   ui.send.disabled = busy;
   ui.stop.disabled = !busy;
   ui.input.disabled = busy;
+  ui.attach.disabled = busy;
 }
 
-async function send(text) {
+async function send(text, images) {
   if (!state.model) await loadModel();
   if (!state.model) return;
   const messages = state.messages;  // New chat swaps in a new list; this turn finishes into its own
-  messages.push({ role: "user", content: text });
-  addBubble("user", text);
+  messages.push({ role: "user", content: userContent(text, images) });  // images stay in the history
+  addBubble("user", text, images);
   const bubble = addBubble("assistant", "");
   const message = new AssistantMessage(bubble);
   bubble.classList.add("streaming");
@@ -303,9 +413,12 @@ async function send(text) {
 ui.form.addEventListener("submit", (event) => {
   event.preventDefault();
   const text = ui.input.value.trim();
-  if (!text || state.controller) return;
+  const images = state.attachments;
+  if ((!text && !images.length) || state.controller) return;
   ui.input.value = "";
-  send(text);
+  state.attachments = [];
+  renderAttachments();
+  send(text, images);
 });
 ui.input.addEventListener("keydown", (event) => {
   if (event.key === "Enter" && !event.shiftKey) {
@@ -314,6 +427,28 @@ ui.input.addEventListener("keydown", (event) => {
   }
 });
 ui.conversation.addEventListener("click", onCopyClick);
+ui.attach.addEventListener("click", () => {
+  if (state.acceptsImages) ui.file.click();
+  else ui.status.textContent = imagesRefusal();
+});
+ui.file.addEventListener("change", () => {
+  const files = [...ui.file.files];
+  ui.file.value = "";  // choosing the same file again is a change too
+  attachFiles(files);
+});
+ui.attachments.addEventListener("click", onRemoveClick);
+ui.input.addEventListener("paste", (event) => {
+  const files = [...event.clipboardData.files].filter((f) => f.type.startsWith("image/"));
+  if (!files.length) return;  // text pastes as usual
+  event.preventDefault();
+  attachFiles(files);
+});
+// Anywhere on the page: a file dropped outside the composer would otherwise replace the page with it.
+document.addEventListener("dragover", (event) => event.preventDefault());
+document.addEventListener("drop", (event) => {
+  event.preventDefault();
+  if (event.dataTransfer.files.length) attachFiles([...event.dataTransfer.files]);
+});
 ui.stop.addEventListener("click", () => state.controller && state.controller.abort());
 ui.newChat.addEventListener("click", () => {
   if (state.controller) state.controller.abort();
