@@ -95,6 +95,39 @@ def test_prefix_and_flow_head_shapes(tokenizer):
                                                          torch.Generator().manual_seed(0)))
 
 
+def test_action_expert_follows_the_pi0_block_mask(tokenizer):
+    """Image + instruction rows never see the state or the actions, the state row never sees the
+    actions, the actions see everything: prefix outputs are the same whatever the noisy chunk and t."""
+    model = tiny_vla(tokenizer).eval()
+    gen = torch.Generator().manual_seed(0)
+    batch = batch_of(toy_demos(), 2)
+    with torch.no_grad():
+        context = model.encode_obs(batch.pixels, batch.agent_pos)
+        L = context.shape[1]
+
+        def rows(x, t, ctx=context):
+            return model.expert.hidden_states(x, torch.full((2,), t), ctx)
+
+        x = torch.randn(2, 4, 2, generator=gen)
+        base = rows(x, 50.0)
+        other = rows(torch.randn(2, 4, 2, generator=gen) * 3, 5.0)  # other actions, another flow step
+        assert torch.equal(base[:, :L], other[:, :L])  # prefix and state rows: untouched by the actions
+        assert not torch.allclose(base[:, L:], other[:, L:])  # while the action rows move
+
+        moved_state = context.clone()
+        moved_state[:, -1] += torch.randn(2, context.shape[-1], generator=gen)
+        state = rows(x, 50.0, moved_state)
+        assert torch.equal(state[:, :L - 1], base[:, :L - 1])  # image + text do not see the state ...
+        assert not torch.allclose(state[:, L - 1:], base[:, L - 1:])  # ... the state and the actions do
+
+        moved_image = context.clone()
+        moved_image[:, 0] += torch.randn(2, context.shape[-1], generator=gen)
+        image = rows(x, 50.0, moved_image)
+        assert not torch.allclose(image[:, 1:L - 1], base[:, 1:L - 1])  # image + text: bidirectional among themselves
+        assert not torch.allclose(image[:, L:], base[:, L:])  # the actions read the prefix
+        assert torch.equal(model(x, torch.full((2,), 50.0), context), model.expert.out(base[:, L:]))
+
+
 def test_action_bins_round_trip_within_half_a_bin(tokenizer):
     model = tiny_vla(tokenizer, head="tokens")
     vocab = tokenizer.vocab_size

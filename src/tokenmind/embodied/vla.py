@@ -13,9 +13,10 @@ Prefix (causal, as the LM was trained): [image tokens, instruction tokens, state
 
 Heads (`VLAConfig.head`):
 
-* "flow" — π0's flow-matching action expert: a small transformer (the project's `Block`s,
-  bidirectional) over [the LM's prefix hidden states projected to its width, the noisy action
-  chunk's T_p tokens + a timestep embedding]; it predicts the velocity ε − x₀ of rectified flow,
+* "flow" — π0's flow-matching action expert: a small transformer (the project's `Block`s) over
+  [the LM's prefix hidden states projected to its width, the noisy action chunk's T_p tokens + a
+  timestep embedding] under π0's blockwise-causal mask (`pi0_block_mask`); it predicts the
+  velocity ε − x₀ of rectified flow,
   trained with the image flow-matching objective (`policy_train.ChunkDenoisingObjective`) and
   sampled with `num_inference_steps` Euler steps (`FlowMatchEulerScheduler`).
 * "tokens" — RT-2 / OpenVLA's action tokenization: every action dimension, normalised to
@@ -64,7 +65,17 @@ from .diffusion_policy import Normalizer, crop, read_policy_config, write_policy
 KIND = "vla"  # config.json's "kind": what `policy.load_policy` builds
 HEADS = ("flow", "tokens")
 INSTRUCTION = "push the T onto the target"
-_BIDIRECTIONAL = DenseMask(None, causal=False)
+
+def pi0_block_mask(block_sizes: list[int], device: torch.device | None = None) -> DenseMask:
+    """π0's blockwise-causal attention (Black et al. 2024): the sequence is cut into blocks and a
+    token sees every token of its own block and of the blocks before it. For the action expert the
+    blocks are [image + instruction], [state], [actions]: the image and text attend bidirectionally
+    among themselves and never to the state or the actions, the state sees them and itself, the action
+    tokens see everything, each other included. So the prefix's rows are the same at every flow step
+    (whatever x_t and t), and what the expert reads of the observation cannot be shaped by the noise."""
+    sizes = torch.tensor(block_sizes, device=device)
+    block = torch.repeat_interleave(torch.arange(len(block_sizes), device=device), sizes)
+    return DenseMask((block[None, :] <= block[:, None])[None, None], causal=False)  # (1, 1, T, T): query row, key col
 
 
 def _check(ok: bool, message: str) -> None:
@@ -144,9 +155,9 @@ class VLAConfig:
 
 class ActionExpert(nn.Module):
     """(x_t (B, T_p, A), t (B,), context (B, L, D_lm)) → velocity (B, T_p, A): `Block`s over the
-    projected context followed by the action tokens (each: its noisy action, its position in the
-    chunk, the timestep), all attending to all; RoPE is the identity, positions are learned (as
-    in the ViT)."""
+    projected context (the LM's rows over image + instruction tokens, then the state token's row
+    last) followed by the action tokens (each: its noisy action, its position in the chunk, the
+    timestep), under `pi0_block_mask`; RoPE is the identity, positions are learned (as in the ViT)."""
 
     def __init__(self, cfg: VLAConfig, context_dim: int):
         super().__init__()
@@ -165,14 +176,19 @@ class ActionExpert(nn.Module):
         self.register_buffer("rope_sin", torch.zeros(1, 1, 1, mcfg.head_dim), persistent=False)
 
     def forward(self, x_t: torch.Tensor, t: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        return self.out(self.hidden_states(x_t, t, context)[:, -x_t.shape[1]:])
+
+    def hidden_states(self, x_t: torch.Tensor, t: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        """The final-normed rows (B, L + T_p, expert_hidden) of the context and the action tokens."""
         e = self.pos.shape[-1]
         time = self.time_mlp(timestep_embedding(t, e).to(self.pos.dtype))
         actions = self.action_in(x_t.to(self.pos.dtype)) + self.pos + time[:, None]
         h = torch.cat([self.context_proj(context.to(self.pos.dtype)), actions], dim=1)
+        mask = pi0_block_mask([context.shape[1] - 1, 1, x_t.shape[1]], h.device)
         cos, sin = self.rope_cos.to(h.dtype), self.rope_sin.to(h.dtype)
         for layer in self.layers:
-            h = layer(h, cos, sin, _BIDIRECTIONAL)
-        return self.out(self.norm(h[:, -x_t.shape[1]:]))
+            h = layer(h, cos, sin, mask)
+        return self.norm(h)
 
 
 class VLA(nn.Module):
