@@ -18,6 +18,7 @@ from tokenmind.cli import build_parser, main
 from tokenmind.config import load_config, parse_overrides, save_resolved
 from tokenmind.eval.runner import EvalConfig
 from tokenmind.serve.config import ServeConfig
+from tokenmind.serve.router import RouterConfig
 from tokenmind.speedrun import SpeedrunConfig, load_speedrun_config
 from tokenmind.train.config import RunConfig
 
@@ -206,9 +207,9 @@ def test_serve_config_errors_exit_2_naming_the_key(tmp_path: Path, captured: lis
 
 def test_every_serve_and_eval_flag_fills_a_config_field() -> None:
     parsers = next(a for a in build_parser()._actions if a.dest == "command").choices
-    for command, schema in [("serve", ServeConfig), ("eval", EvalConfig)]:
+    for command, schemas in [("serve", (ServeConfig, RouterConfig)), ("eval", (EvalConfig,))]:
         dests = {a.dest for a in parsers[command]._actions} - {"help", "config"}
-        assert dests <= {f.name for f in fields(schema)}, command
+        assert dests <= {f.name for schema in schemas for f in fields(schema)}, command
 
 
 def test_eval_config_file_and_flags(tmp_path: Path, captured: list, capsys: pytest.CaptureFixture) -> None:

@@ -384,10 +384,19 @@ def cmd_serve(args) -> int:
     from .config import cli_overrides
     from .serve import run_server
     from .serve.config import ServeConfig, load_serve_config
+    from .serve.router import RouterConfig
 
     if "lora" in args:  # repeated --lora NAME=PATH → {NAME: PATH}
         args.lora = dict(args.lora)
-    return run_server(load_serve_config(args.config, cli_overrides(args, ServeConfig)))
+    router = RouterConfig(**cli_overrides(args, RouterConfig))
+    if not router.routed:
+        return run_server(load_serve_config(args.config, cli_overrides(args, ServeConfig)))
+    from .serve.replicas import serve_replicas
+
+    overrides = cli_overrides(args, ServeConfig)
+    if router.replica_urls:  # the replicas are running already: no model here
+        overrides.setdefault("model", "")
+    return serve_replicas(load_serve_config(args.config, overrides), router)
 
 
 def cmd_eval(args) -> None:
@@ -991,6 +1000,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a vision-language model's largest input image in pixels, checked before decoding "
                         "(default 4096*4096)")
     p.add_argument("--log-level")
+    g = p.add_argument_group("replicas", "several engine processes behind a prefix-cache-aware router "
+                                         "(docs/scale-out.md, Serving replicas)")
+    g.add_argument("--replicas", type=int, metavar="N",
+                   help="run N engine processes behind a router on --port (default 1: one engine, no router)")
+    g.add_argument("--router", dest="policy", choices=["prefix", "round_robin"],
+                   help="prefix (default): a request goes to the replica that ran its prompt prefix, else the "
+                        "least loaded; round_robin: in turn")
+    g.add_argument("--replica-urls", type=comma_list, metavar="URLS",
+                   help="route to these running tokenmind servers instead of starting replicas, e.g. "
+                        "http://10.0.0.2:8001,http://10.0.0.3:8001")
+    g.add_argument("--replica-launcher", dest="launcher", choices=["local", "ray"],
+                   help="local (default): subprocesses on this machine; ray: one Ray actor per replica")
+    g.add_argument("--ray-address", help="the Ray cluster for --replica-launcher ray (auto, HEAD_IP:6379); "
+                                         "implies it; default: a local Ray instance")
+    g.add_argument("--replica-threads", type=int, metavar="N",
+                   help="torch threads (and Ray CPUs) per replica (default: this machine's cores / N)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("eval", help="benchmark a model: ARC, HellaSwag, PIQA, MMLU, GSM8K, HumanEval, loss",
