@@ -67,12 +67,10 @@ class Preempted(Exception):
     """Stands in for a killed job."""
 
 
-def crash_then_resume(cfg: RunConfig, crash_in_step: int) -> None:
-    """Train `cfg` until step `crash_in_step` dies as a killed job would, then run it again, resuming
-    from its last checkpoint (in this process, or the process group it joined). Every rank dies as
-    the step starts, before any rank waits on another (pipeline stages run different layers)."""
-    from tokenmind.train import pretrain
-
+def crash(cfg: RunConfig, crash_in_step: int) -> None:
+    """Train `cfg` until step `crash_in_step` dies as a killed job would (in this process, or the
+    process group it joined). Every rank dies as the step starts, before any rank waits on another
+    (pipeline stages run different layers)."""
     trainer = pretrainer(cfg)
     step = trainer.train_step
 
@@ -84,6 +82,13 @@ def crash_then_resume(cfg: RunConfig, crash_in_step: int) -> None:
     trainer.train_step = dying_step
     with contextlib.suppress(Preempted):
         trainer.train()
+
+
+def crash_then_resume(cfg: RunConfig, crash_in_step: int) -> None:
+    """`crash` `cfg` in step `crash_in_step`, then run it again, resuming from its last checkpoint."""
+    from tokenmind.train import pretrain
+
+    crash(cfg, crash_in_step)
     pretrain(cfg)
 
 

@@ -266,7 +266,13 @@ def cmd_convert(args) -> None:
 def cmd_train(args, overrides: list[str]) -> None:
     from .train import load_config, pretrain
 
-    result = pretrain(load_config(args.config, overrides))
+    cfg = load_config(args.config, overrides)
+    if args.ray_workers:
+        from .train.ray_train import train_on_ray
+
+        result = train_on_ray(cfg, args.ray_workers, args.ray_address)
+    else:
+        result = pretrain(cfg)
     print(f"done: {result.steps} steps, {result.tokens_seen:,} tokens, final loss {result.final_loss:.4f}"
           + (f", val loss {result.final_val_loss:.4f}" if result.final_val_loss is not None else ""))
     print(f"model: {result.final_model_path}\nmetrics: {result.metrics_path}\nloss curve: {result.plot_path}")
@@ -921,6 +927,11 @@ def build_parser() -> argparse.ArgumentParser:
                                    "e.g. --optim.lr=1e-3 --train.steps=200. The resolved config is saved "
                                    "in the run directory; an interrupted run resumes from its last checkpoint.")
     p.add_argument("--config", default=None, help="YAML run config (sections: model, data, optim, schedule, train)")
+    p.add_argument("--ray-workers", type=int, default=0,
+                   help="train as N data-parallel Ray Train workers instead of in this process (needs "
+                        "--train.distributed=ddp or fsdp and tokenmind[ray]; docs/scale-out.md)")
+    p.add_argument("--ray-address", default=None,
+                   help="with --ray-workers: the Ray cluster to join (default: a local instance with N CPUs)")
     p.set_defaults(func=cmd_train, takes_overrides=True)
 
     p = sub.add_parser("scaling", help="scaling laws: a grid of tiny models × token budgets, L(N, D) fit, "

@@ -9,6 +9,13 @@ A checkpoint is a folder `<root>/step_000123/` holding
 * `rank_00000.pt`, one per rank: that rank's data-loader position and RNG states (ranks read
   different rows and may draw different random numbers).
 
+Rank 0 writes every file (the other ranks send it their part), so a multi-node run writes its
+checkpoint once, on node 0's disk. Nothing in it depends on the world size but the rank files:
+model and optimizer state are full tensors by parameter name however the run was sharded, and a
+run resuming on another number of ranks adapts rank 0's part (`reshard_rank_state`): the loader
+position is a global one, and the per-rank RNG streams, which have no counterpart on another
+world size, restart from seeds derived from (seed, step, rank).
+
 The `.pt` files are our own, and hold only tensors, dicts, lists, numbers and strings, so they
 load with `torch.load(weights_only=True)`, which refuses arbitrary pickled objects. A save
 goes into `step_000123.tmp/` and becomes `step_000123/` with one `os.replace` once every file
@@ -29,6 +36,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -46,25 +54,41 @@ class TrainingState:
     optimizer: dict[str, Any] = field(default_factory=dict)
     trainer: dict[str, Any] = field(default_factory=dict)
     rank: dict[str, Any] = field(default_factory=dict)
+    world_size: int = 1  # how many ranks saved it (set on load)
 
 
 def checkpoint_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
-def capture_rng() -> dict[str, Any]:
-    """Every global RNG a training step could draw from, in weights_only-loadable form."""
-    version, mt_state, gauss = random.getstate()
-    kind, key, pos, has_gauss, cached = np.random.get_state()
+def _rng_dict(torch_state: torch.Tensor, python_state: tuple, numpy_state: tuple,
+              cuda_states: list[torch.Tensor] | None) -> dict[str, Any]:
+    """RNG states in weights_only-loadable form (no numpy arrays, no tuples of tuples)."""
+    version, mt_state, gauss = python_state
+    kind, key, pos, has_gauss, cached = numpy_state
     state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
+        "torch": torch_state,
         "python": {"version": version, "state": list(mt_state), "gauss": gauss},
         "numpy": {"kind": kind, "key": torch.from_numpy(key.astype(np.int64)), "pos": pos,
                   "has_gauss": has_gauss, "cached": cached},
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if cuda_states is not None:
+        state["cuda"] = cuda_states
     return state
+
+
+def capture_rng() -> dict[str, Any]:
+    """Every global RNG a training step could draw from."""
+    return _rng_dict(torch.get_rng_state(), random.getstate(), np.random.get_state(),
+                     torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+
+
+def seeded_rng(seed: int) -> dict[str, Any]:
+    """The states `capture_rng` would return right after seeding every global RNG with `seed`."""
+    cuda = ([torch.Generator(f"cuda:{i}").manual_seed(seed).get_state() for i in range(torch.cuda.device_count())]
+            if torch.cuda.is_available() else None)
+    return _rng_dict(torch.Generator().manual_seed(seed).get_state(), random.Random(seed).getstate(),
+                     np.random.RandomState(seed).get_state(), cuda)
 
 
 def restore_rng(state: dict[str, Any]) -> None:
@@ -110,7 +134,7 @@ def _save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
 
 def _load_weights(path: Path) -> dict[str, torch.Tensor]:
     with safe_open(str(path), framework="pt") as f:
-        state = {name: f.get_tensor(name) for name in f.keys()}
+        state = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
         aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
     state.update({name: state[target] for name, target in aliases.items()})
     return state
@@ -147,28 +171,29 @@ def prune_checkpoints(root: str | Path, keep_last: int) -> list[Path]:
 
 def save_checkpoint(root: str | Path, step: int, state: TrainingState, ctx: DistContext,
                     keep_last: int = 0) -> Path:
-    """Write `state` as `<root>/step_{step:06d}` atomically, then prune. Every rank calls this
-    (each writes its own rank file); rank 0 writes the shared files and commits."""
+    """Write `state` as `<root>/step_{step:06d}` atomically, then prune. Every rank calls this and
+    sends rank 0 its own part; rank 0 writes all files and commits, so only its disk needs `root`."""
     root = Path(root)
     final = root / checkpoint_name(step)
     tmp = root / f"{final.name}.tmp"
+    parts = [None] * ctx.world_size if ctx.is_main else None
+    if ctx.world_size > 1:
+        dist.gather_object(state.rank, parts)
+    else:
+        parts = [state.rank]
     if ctx.is_main:
         shutil.rmtree(tmp, ignore_errors=True)  # a stale one from a crash
         tmp.mkdir(parents=True)
-    ctx.barrier()
-    try:
-        if ctx.is_main:
+        try:
             _save_weights(state.model, tmp / "model.safetensors")
             _torch_save(state.optimizer, tmp / "optimizer.pt")
             _torch_save(state.trainer, tmp / "trainer.pt")
-        _torch_save(state.rank, tmp / f"rank_{ctx.rank:05d}.pt")
-    except BaseException:
-        if ctx.is_main:
+            for rank, part in enumerate(parts):
+                _torch_save(part, tmp / f"rank_{rank:05d}.pt")
+            _fsync_dir(tmp)
+        except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    ctx.barrier()
-    if ctx.is_main:
-        _fsync_dir(tmp)
+            raise
         if final.exists():  # re-saving a step (a resumed run ending where it resumed)
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -178,18 +203,58 @@ def save_checkpoint(root: str | Path, step: int, state: TrainingState, ctx: Dist
     return final
 
 
-def load_checkpoint(path: str | Path, rank: int = 0, read_shared: bool = True) -> TrainingState:
-    """Read a checkpoint for `rank`; with read_shared=False skip the model and optimizer files
-    (FSDP ranks other than 0 receive those by broadcast)."""
+def saved_world_size(path: str | Path) -> int:
+    """How many ranks saved the checkpoint at `path` (one rank file each)."""
+    return len(list(Path(path).glob("rank_*.pt")))
+
+
+def load_checkpoint(path: str | Path, rank: int = 0, read_shared: bool = True,
+                    world_size: int | None = None) -> TrainingState:
+    """Read a checkpoint for `rank` of `world_size` ranks (default: as many as saved it); with
+    read_shared=False skip the model and optimizer files (FSDP ranks other than 0 receive those by
+    broadcast). On another world size than the saving run's, `rank` is rank 0's part, to pass
+    through `reshard_rank_state`."""
     path = Path(path)
+    saved = saved_world_size(path)
+    if world_size is not None and world_size != saved:
+        rank = 0
     rank_file = path / f"rank_{rank:05d}.pt"
     if not rank_file.exists():
-        saved = sorted(p.name for p in path.glob("rank_*.pt"))
-        raise FileNotFoundError(f"{rank_file} is missing (checkpoint has {', '.join(saved) or 'no rank files'}); "
-                                "resume with the world size the checkpoint was saved with")
+        raise FileNotFoundError(f"{rank_file} is missing ({path} has {saved} rank files); the checkpoint is "
+                                "incomplete, or pass world_size to read it on another number of ranks")
     state = TrainingState(trainer=torch.load(path / "trainer.pt", weights_only=True),
-                          rank=torch.load(rank_file, weights_only=True))
+                          rank=torch.load(rank_file, weights_only=True), world_size=saved)
     if read_shared:
         state.model = _load_weights(path / "model.safetensors")
         state.optimizer = torch.load(path / "optimizer.pt", weights_only=True)
     return state
+
+
+_LAYOUT = ("rank", "world_size", "batch_size")  # the loader settings a world-size change may change
+
+
+def reshard_loader_state(saved: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
+    """A row loader's saved position (`RowLoader.state_dict`) for the loader whose fresh state is `now`,
+    which may have another rank, world size and per-rank batch size. The ranks of a step read one
+    contiguous slice of the epoch's row order, so the position is global: rows consumed this epoch
+    = step x batch_size x world_size, the same on every rank."""
+    if "config" not in saved or "step" not in saved or any(key not in saved["config"] for key in _LAYOUT):
+        raise ValueError(f"this loader's position ({sorted(saved)}) is per rank and cannot move to another world "
+                         "size; resume on the number of ranks the checkpoint was saved with")
+    rows = saved["step"] * saved["config"]["batch_size"] * saved["config"]["world_size"]
+    per_step = now["config"]["batch_size"] * now["config"]["world_size"]
+    if rows % per_step:
+        raise ValueError(f"the checkpoint's ranks read {rows} rows of epoch {saved['epoch']}, not a whole number "
+                         f"of this run's {per_step}-row global batches; keep data.batch_size x ranks at "
+                         f"{saved['config']['batch_size'] * saved['config']['world_size']}")
+    layout = {key: now["config"][key] for key in _LAYOUT}
+    return {**saved, "step": rows // per_step, "config": {**saved["config"], **layout}}
+
+
+def reshard_rank_state(saved: dict[str, Any], loader_now: dict[str, Any], seed: int, step: int,
+                       rank: int) -> dict[str, Any]:
+    """Rank 0's saved part (`load_checkpoint` on another world size) made this rank's: the loader at the
+    same global position, every RNG seeded from (seed, step, rank), deterministic but not a replay
+    of any stream drawn before, and the rest (fp8 scaling history) as rank 0 had it."""
+    rng_seed = int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0])
+    return {**saved, "loader": reshard_loader_state(saved["loader"], loader_now), "rng": seeded_rng(rng_seed)}

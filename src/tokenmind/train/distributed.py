@@ -19,9 +19,11 @@ Either way the optimizer sees the average gradient of the global batch, so N ran
 rows each follow the single-process loss curve of batch B (tp and pp: N ranks with B rows follow
 the curve of B, as they form one replica). Checkpoints hold *full* (unsharded)
 state with plain parameter names, gathered through `torch.distributed.checkpoint.state_dict`,
-so a run saved under ddp can resume under fsdp or ep and back (at the same world size: the
-data-loader position is per rank). torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
-MASTER_ADDR, MASTER_PORT) drives initialization; gloo serves CPU and nccl CUDA.
+so a run saved under ddp can resume under fsdp or ep and back, and on another number of ranks
+(`checkpoint.reshard_rank_state` moves the data position and reseeds the RNGs). torchrun's
+environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) drives initialization, on one
+node or many (`torchrun --nnodes`), or a process group someone else created (Ray Train,
+`ray_train.py`) is joined; gloo serves CPU and nccl CUDA.
 """
 
 from __future__ import annotations

@@ -59,7 +59,15 @@ from tokenmind.model.load import load_tokenizer
 from tokenmind.model.lora import lora_layers, save_adapter
 from tokenmind.model.transformer import MoE, Transformer, balance_experts
 
-from .checkpoint import TrainingState, capture_rng, latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
+from .checkpoint import (
+    TrainingState,
+    capture_rng,
+    latest_checkpoint,
+    load_checkpoint,
+    reshard_rank_state,
+    restore_rng,
+    save_checkpoint,
+)
 from .config import RunConfig, save_resolved
 from .distributed import (
     DistContext,
@@ -226,7 +234,10 @@ class Trainer:
 
     def _restore(self, path: Path) -> None:
         read_shared = self.ctx.is_main or not self.ctx.full_state_on_rank0
-        state = load_checkpoint(path, self.ctx.rank, read_shared)
+        state = load_checkpoint(path, self.ctx.rank, read_shared, self.ctx.world_size)
+        if state.world_size != self.ctx.world_size:  # saved by another number of ranks: adapt rank 0's part
+            state.rank = reshard_rank_state(state.rank, self.loader.state_dict(), self.cfg.train.seed,
+                                            state.trainer["step"], self.ctx.rank)
         load_model_state(self.model, state.model, self.ctx, strict=not self.frozen_base)
         load_optimizer_state(self.model, self.optimizer, state.optimizer, self.ctx)
         self.scheduler.load_state_dict(state.trainer["scheduler"])
