@@ -90,6 +90,7 @@ def test_a_vlm_chat_sends_downscaled_images_keeps_them_in_the_history_and_shows_
         page.wait_for_function("document.querySelectorAll('#attachments img').length === 2")
         sizes = thumbs.evaluate_all("els => els.map(e => [e.alt, e.naturalWidth, e.naturalHeight])")
         assert sizes == [["wide.png", 512, 341], ["small.png", 20, 30]]  # downscaled to 512 px, never upscaled
+        assert page.inner_text("#status") == "2 images attached"  # role=status: read out
         page.get_by_role("button", name="Remove image small.png").focus()
         page.keyboard.press("Enter")
         assert thumbs.count() == 1 and page.evaluate("document.activeElement.getAttribute('aria-label')") == \

@@ -16,8 +16,11 @@ const ui = {
   system: $("system"), apiKey: $("api-key"), attach: $("attach"), file: $("image-file"), attachments: $("attachments"),
 };
 
-// `attachments`: the images waiting in the composer, each {name, url, width, height}.
-const state = { messages: [], model: null, controller: null, acceptsImages: false, attachments: [] };
+// `attachments`: the images waiting in the composer, each {name, url, width, height}; `reading`: the
+// chain of image reads (attachFiles).
+const state = {
+  messages: [], model: null, controller: null, acceptsImages: false, attachments: [], reading: Promise.resolve(),
+};
 
 function headers() {
   const h = { "Content-Type": "application/json" };
@@ -88,19 +91,27 @@ function imagesRefusal() {
     + "to attach images" : "not connected to a model yet";
 }
 
-async function attachFiles(files) {
-  if (!state.acceptsImages) {
-    ui.status.textContent = imagesRefusal();
-    return;
-  }
-  for (const file of files) {
-    try {
-      state.attachments.push(await readImage(file));
-    } catch (e) {
-      ui.status.textContent = "error: " + e.message;
+// One batch of files at a time, in the order they came (a paste, then a drop: that order in the
+// composer), each read in turn; the status line says what happened (role=status: screen readers hear it).
+function attachFiles(files) {
+  state.reading = state.reading.then(async () => {
+    if (!state.acceptsImages) {
+      ui.status.textContent = imagesRefusal();
+      return;
     }
-  }
-  renderAttachments();
+    const failed = [];
+    for (const file of files) {
+      try {
+        state.attachments.push(await readImage(file));
+      } catch (e) {
+        failed.push(e.message);
+      }
+    }
+    renderAttachments();
+    const count = state.attachments.length;
+    if (failed.length) ui.status.textContent = "error: " + failed.join("; ");
+    else if (!state.controller) ui.status.textContent = `${count} image${count === 1 ? "" : "s"} attached`;
+  }).catch((e) => { ui.status.textContent = "error: " + e.message; });  // the chain goes on after a failure
 }
 
 // The composer's thumbnails, each with a Remove button; an image alone (no text) may be sent.
@@ -444,10 +455,13 @@ ui.input.addEventListener("paste", (event) => {
   attachFiles(files);
 });
 // Anywhere on the page: a file dropped outside the composer would otherwise replace the page with it.
-document.addEventListener("dragover", (event) => event.preventDefault());
+// Dragged text is left alone (it drops into the message box as usual).
+const carriesFiles = (event) => [...event.dataTransfer.types].includes("Files");
+document.addEventListener("dragover", (event) => { if (carriesFiles(event)) event.preventDefault(); });
 document.addEventListener("drop", (event) => {
+  if (!carriesFiles(event)) return;
   event.preventDefault();
-  if (event.dataTransfer.files.length) attachFiles([...event.dataTransfer.files]);
+  attachFiles([...event.dataTransfer.files]);
 });
 ui.stop.addEventListener("click", () => state.controller && state.controller.abort());
 ui.newChat.addEventListener("click", () => {
