@@ -7,12 +7,14 @@ optimizer state and the uninterrupted loss curve; Ray Train runs the same traini
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -20,9 +22,11 @@ from safetensors.torch import load_file
 from test_train_distributed import free_port, gloo_rank, losses
 from test_train_helpers import crash, one_thread, pretrainer, tiny_config, write_shards  # noqa: F401 (one_thread: autouse)
 
+from tokenmind.data.loader import LoaderConfig, PackedLoader
+from tokenmind.data.shards import TokenShards
 from tokenmind.jsonl import read_jsonl
 from tokenmind.train import pretrain
-from tokenmind.train.checkpoint import list_checkpoints
+from tokenmind.train.checkpoint import list_checkpoints, reshard_loader_state, restore_rng, seeded_rng
 from tokenmind.train.config import save_resolved
 
 STEPS = ["--train.steps=4", "--train.checkpoint_every=2"]
@@ -65,6 +69,40 @@ def test_two_torchrun_nodes_match_one_process(tmp_path: Path) -> None:
 
 
 # ---- resuming on another world size ---------------------------------------------------------------
+
+
+def rows(batch) -> set[tuple[int, ...]]:
+    return {tuple(row.tolist()) for row in batch.input_ids}
+
+
+def test_the_loader_position_is_global_across_world_sizes(tmp_path: Path) -> None:
+    shards = TokenShards(write_shards(tmp_path / "shards"), "train")
+    two = [PackedLoader(shards, LoaderConfig(batch_size=2, seq_len=32, rank=r, world_size=2)) for r in (0, 1)]
+    for _ in range(5):
+        for loader in two:
+            next(loader)
+    saved = two[0].state_dict()  # what rank 0's file holds
+    step_6 = rows(next(two[0])) | rows(next(two[1]))
+    one = PackedLoader(shards, LoaderConfig(batch_size=4, seq_len=32))  # the same global batch
+    one.load_state_dict(reshard_loader_state(saved, one.state_dict()))
+    assert rows(next(one)) == step_6
+    half = PackedLoader(shards, LoaderConfig(batch_size=2, seq_len=32))  # half of it: two steps per step 6
+    half.load_state_dict(reshard_loader_state(saved, half.state_dict()))
+    assert rows(next(half)) | rows(next(half)) == step_6
+
+    eight = PackedLoader(shards, LoaderConfig(batch_size=8, seq_len=32))  # 5 x 4 rows is not a whole 8-row step
+    with pytest.raises(ValueError, match="not a whole number"):
+        reshard_loader_state(saved, eight.state_dict())
+    with pytest.raises(ValueError, match="per rank"):  # a loader without a global position
+        reshard_loader_state({"epoch": 0, "position": 3}, one.state_dict())
+
+
+def test_reseeded_rngs_are_the_seeded_globals() -> None:
+    restore_rng(seeded_rng(1234))
+    drawn = torch.rand(3), random.random(), np.random.rand(2)
+    torch.manual_seed(1234), random.seed(1234), np.random.seed(1234)
+    assert torch.equal(drawn[0], torch.rand(3)) and drawn[1] == random.random()
+    assert np.array_equal(drawn[2], np.random.rand(2))
 
 
 def same(a: Any, b: Any) -> bool:

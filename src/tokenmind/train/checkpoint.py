@@ -85,7 +85,7 @@ def capture_rng() -> dict[str, Any]:
 
 def seeded_rng(seed: int) -> dict[str, Any]:
     """The states `capture_rng` would return right after seeding every global RNG with `seed`."""
-    cuda = ([torch.Generator(f"cuda:{i}").manual_seed(seed).get_state() for i in range(torch.cuda.device_count())]
+    cuda = ([torch.Generator(device=f"cuda:{i}").manual_seed(seed).get_state() for i in range(torch.cuda.device_count())]
             if torch.cuda.is_available() else None)
     return _rng_dict(torch.Generator().manual_seed(seed).get_state(), random.Random(seed).getstate(),
                      np.random.RandomState(seed).get_state(), cuda)

@@ -123,6 +123,8 @@ def init_distributed(strategy: str, device_preference: str = "auto") -> DistCont
         return DistContext(strategy, resolve_device(device_preference))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(device_preference, local_rank)
+    if device.type == "cuda":  # also in a group someone else created: nccl collectives use the current device
+        torch.cuda.set_device(device)
     owns = False
     if not dist.is_initialized():
         missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
@@ -130,8 +132,6 @@ def init_distributed(strategy: str, device_preference: str = "auto") -> DistCont
             raise RuntimeError(f"train.distributed={strategy} needs the torchrun environment (missing "
                                f"{', '.join(missing)}); launch with `torchrun --nproc_per_node=N ...` "
                                "or set --train.distributed=none")
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         owns = True
     return DistContext(strategy, device, dist.get_rank(), dist.get_world_size(), local_rank, owns)
