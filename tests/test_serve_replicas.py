@@ -163,15 +163,22 @@ def test_router_routes_by_prefix_relays_streams_and_errors_and_survives_a_dead_r
             client.chat.completions.create(model=MODEL, messages=chat("Who are you?", system=POET), max_tokens=4)
             assert [r.routed for r in reps[1:]] in ([2, 1], [1, 2])  # a new prefix: the less busy replica
 
+            auth = {"Authorization": f"Bearer {key}"}
+            with httpx.stream("POST", live.url + "/v1/chat/completions", headers=auth, json={
+                    "model": MODEL, "messages": turn1, "max_tokens": 300, "stream": True}) as r:
+                next(line for line in r.iter_lines() if line.startswith("data: "))  # then the client leaves
+            wait_for(lambda: all(r.in_flight == 0 for r in reps), 10, "the router frees the replica's slot")
+            a.wait_idle(), b.wait_idle()  # ... and the replica aborted the generation
+
             with pytest.raises(openai.NotFoundError, match="does not exist"):  # the replica's 4xx, as it is
                 client.chat.completions.create(model="nope", messages=turn1, max_tokens=4)
-            bad = httpx.post(live.url + "/v1/chat/completions", content=b"{not json", headers={
-                "Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+            bad = httpx.post(live.url + "/v1/chat/completions", content=b"{not json",
+                             headers={**auth, "Content-Type": "application/json"})
             assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
             assert httpx.post(live.url + "/v1/chat/completions", json={}).status_code == 401  # the router's key check
             assert [m.id for m in client.models.list()] == [MODEL]
 
-            metrics = httpx.get(live.url + "/metrics", headers={"Authorization": f"Bearer {key}"}).text
+            metrics = httpx.get(live.url + "/metrics", headers=auth).text
             assert 'tokenmind_router_replica_up{replica="0",url="' + dead + '"} 0' in metrics
             rate = float(next(line.split()[-1] for line in metrics.splitlines()
                               if line.startswith("tokenmind_router_prefix_cache_hit_rate ")))

@@ -316,8 +316,7 @@ class Router:
                 replica.in_flight -= 1
                 return self.failed(replica, e)
             if response.headers.get("content-type", "").startswith("text/event-stream"):
-                return StreamingResponse(self.relay(replica, response), status_code=response.status_code,
-                                         headers=_reply_headers(response))
+                return RelayStream(self, replica, response)
             try:
                 content = await response.aread()
             except httpx.HTTPError as e:
@@ -342,23 +341,13 @@ class Router:
         return (f"replica {replica.index} stopped answering during this request ({type(error).__name__}); it is "
                 "marked down and new requests go to the other replicas: retry the request")
 
-    async def relay(self, replica: Replica, response: httpx.Response) -> AsyncIterator[bytes]:
-        """The replica's server-sent events, line by line as they arrive; if the replica fails, an
-        error event (OpenAI's error shape, code replica_failed) and `data: [DONE]` end the stream."""
-        status = response.status_code
-        try:
-            async for line in response.aiter_lines():
-                yield (line + "\n").encode()
-        except httpx.HTTPError as e:
-            self.set_up(replica, False, f"a stream failed: {type(e).__name__}: {e}")
-            self.failures[replica.index] += 1
-            status = 503
-            body = error_body(self._failure_message(replica, e), "server_error", None, "replica_failed")
-            yield f"\ndata: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
-        finally:
-            replica.in_flight -= 1
-            self.requests[(replica.index, status)] += 1
-            await response.aclose()
+    def stream_failed(self, replica: Replica, error: Exception) -> bytes:
+        """The end of a stream whose replica stopped answering: an error event (OpenAI's error shape,
+        code replica_failed), then `data: [DONE]`; the replica counts as down until healthy."""
+        self.set_up(replica, False, f"a stream failed: {type(error).__name__}: {error}")
+        self.failures[replica.index] += 1
+        body = error_body(self._failure_message(replica, error), "server_error", None, "replica_failed")
+        return f"\ndata: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
 
     # ----------------------------------------------------------------- health and metrics answers
 
@@ -416,6 +405,39 @@ class Router:
             return float(samples["tokenmind_prefix_cache_hit_rate"]), float(samples["tokenmind_prompt_tokens_total"])
         except (KeyError, ValueError):
             return None
+
+
+class RelayStream(StreamingResponse):
+    """A replica's server-sent events, relayed line by line as they arrive. However the response
+    ends (also when the client left before the first byte, when the body iterator never even starts)
+    it frees the replica's in-flight slot and closes the upstream connection, which aborts the
+    generation there."""
+
+    def __init__(self, router: Router, replica: Replica, upstream: httpx.Response):
+        self.router, self.replica, self.upstream = router, replica, upstream
+        self.status, self.released = upstream.status_code, False
+        super().__init__(self._lines(), status_code=upstream.status_code, headers=_reply_headers(upstream))
+
+    async def _lines(self) -> AsyncIterator[bytes]:
+        try:
+            async for line in self.upstream.aiter_lines():
+                yield (line + "\n").encode()
+        except httpx.HTTPError as e:
+            self.status = 503
+            yield self.router.stream_failed(self.replica, e)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.release()
+
+    async def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.replica.in_flight -= 1
+            self.router.requests[(self.replica.index, self.status)] += 1
+            await self.upstream.aclose()
 
 
 def _reply_headers(response: httpx.Response) -> dict[str, str]:
