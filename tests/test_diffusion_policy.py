@@ -1,6 +1,7 @@
 """The diffusion policy on synthetic demonstrations: its objective, sampling, normalisation, training on
 the one Trainer (exact resume, EMA, export) and the receding-horizon runner, all with tiny networks."""
 
+import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -40,7 +41,8 @@ def toy_demos(episodes: int = 24, length: int = 12, seed: int = 0) -> SimpleName
     n = episodes * length
     return SimpleNamespace(pixels=rng.integers(0, 256, (n, 16, 16, 3), dtype=np.uint8), agent_pos=pos,
                            action=rule(pos), episode_index=np.repeat(np.arange(episodes), length),
-                           frame_index=np.tile(np.arange(length), episodes))
+                           frame_index=np.tile(np.arange(length), episodes),
+                           block_pose=rng.uniform([100, 100, -np.pi], [400, 400, np.pi], (n, 3)).astype(np.float32))
 
 
 def tiny_config(tmp_path, steps: int = 6, **overrides):
@@ -54,7 +56,8 @@ def tiny_policy(**overrides) -> DiffusionPolicy:
     torch.manual_seed(0)
     policy = DiffusionPolicy(DiffusionPolicyConfig(**{**TINY, **overrides}))
     demos = toy_demos()
-    policy.normalizer.fit(demos.agent_pos, demos.action)
+    block = demos.block_pose[:, :2] if policy.cfg.uses_block_pose else None
+    policy.normalizer.fit(demos.agent_pos, demos.action, block)
     return policy
 
 
@@ -134,6 +137,70 @@ def test_config_errors_name_the_fix():
         DiffusionPolicyConfig(horizon=10, down_dims=(64, 128, 256))
     with pytest.raises(ValueError, match="euler"):
         DiffusionPolicyConfig(objective="flow", sampler="ddim")
+
+
+def test_state_policy_conditions_on_the_block_pose_without_a_cnn():
+    """obs_mode=state: no image encoder; per step normalised agent position, block x, y, sin θ, cos θ."""
+    policy = tiny_policy(obs_mode="state")
+    assert policy.encoder is None and policy.cond_dim == 2 * (2 + 4)
+    demos = toy_demos()
+    pos = torch.as_tensor(demos.agent_pos[:4]).view(2, 2, 2)
+    block = torch.as_tensor(demos.block_pose[:4]).view(2, 2, 3)
+    cond = policy.encode_obs(None, pos, block_pose=block)
+    assert cond.shape == (2, 12) and cond.abs().max() <= 1 + 1e-5
+    turned = block.clone()
+    turned[..., 2] += 2 * np.pi  # the same pose: the angle enters only through sin and cos
+    assert torch.allclose(policy.encode_obs(None, pos, block_pose=turned), cond, atol=1e-5)
+    assert torch.allclose(cond.view(2, 2, 6)[..., 4:], torch.stack([block[..., 2].sin(), block[..., 2].cos()], -1))
+    loader = ChunkLoader(None, demos.agent_pos, demos.action, demos.episode_index, np.arange(len(demos.action)), 2,
+                         8, 8, block_pose=demos.block_pose)
+    batch = next(loader)
+    assert batch.pixels is None and batch.block_pose.shape == (8, 2, 3)
+    terms = ChunkDenoisingObjective(policy.cfg)(policy, batch, "fp32")
+    terms.loss.backward()
+    assert policy.denoiser.final[1].weight.grad.abs().sum() > 0
+    chunk = policy.eval().predict_action_chunk(None, pos, torch.Generator().manual_seed(0), block_pose=block)
+    assert chunk.shape == (2, 8, 2)
+    both = tiny_policy(obs_mode="pixels+state")
+    assert both.encoder is not None and both.cond_dim == 2 * (8 + 2 + 4)
+
+
+def test_obs_mode_mismatches_name_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="obs_mode='depth' is not one of pixels, state"):
+        DiffusionPolicyConfig(obs_mode="depth")
+    demos = toy_demos()
+    pos = torch.as_tensor(demos.agent_pos[:2]).view(1, 2, 2)
+    with pytest.raises(ValueError, match="conditions on the block pose"):
+        tiny_policy(obs_mode="state").encode_obs(None, pos)
+    with pytest.raises(ValueError, match="conditions on pixels"):
+        tiny_policy().encode_obs(None, pos)
+    with pytest.raises(ValueError, match="block positions given"):
+        Normalizer(2, 2).fit(demos.agent_pos, demos.action, demos.block_pose[:, :2])
+    old = SimpleNamespace(**{**vars(demos), "block_pose": None})  # recorded before the column existed
+    with pytest.raises(ValueError, match="no block_pose column.*tokenmind embodied record"):
+        train_policy(tiny_config(tmp_path, **{"policy.obs_mode": "state"}), old)
+    train_policy(tiny_config(tmp_path / "pixels", steps=1), old)  # pixel policies still train on them
+
+
+def test_state_policy_save_load_round_trip(tmp_path):
+    demos = toy_demos()
+    result = train_policy(tiny_config(tmp_path, steps=2, **{"policy.obs_mode": "state"}), demos)
+    config = json.loads((result.out_dir / "final" / "config.json").read_text())
+    assert config["policy"]["obs_mode"] == "state"
+    policy = load_policy(result.out_dir, seed=1)
+    assert policy.model.cfg.obs_mode == "state" and policy.model.encoder is None
+    obs = [{"agent_pos": demos.agent_pos[i], "block_pose": demos.block_pose[i]} for i in range(6)]  # no pixels needed
+
+    def rollout(p):
+        p.reset()
+        return np.stack([p.act(o) for o in obs])
+
+    actions = rollout(policy)
+    assert actions.shape == (6, 2) and np.array_equal(actions, rollout(load_policy(result.out_dir, seed=1)))
+    weights = load_policy(result.out_dir).model.state_dict()
+    assert torch.equal(weights["normalizer.block_max"], torch.as_tensor(demos.block_pose[:, :2].max(0)))
+    with pytest.raises(KeyError, match="block_pose"):
+        policy.act({"pixels": demos.pixels[0], "agent_pos": demos.agent_pos[0]})
 
 
 def test_ema_update_and_export():

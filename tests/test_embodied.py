@@ -32,7 +32,8 @@ class GoTo:
 def test_env_observations():
     env = make_env(seed=0)
     obs, info = env.reset(seed=5)
-    assert set(obs) == {"pixels", "agent_pos"}
+    assert set(obs) == {"pixels", "agent_pos", "block_pose"}
+    assert np.array_equal(obs["block_pose"], PushTState.read(env).block_pose)  # the state policies' input
     assert obs["pixels"].shape == (96, 96, 3) and obs["pixels"].dtype == np.uint8
     assert obs["agent_pos"].shape == (2,)
     assert info["goal_pose"].tolist() == pytest.approx([256, 256, math.pi / 4])
@@ -70,7 +71,7 @@ def _tiny_demos(n_frames=(3, 2)) -> Demonstrations:
         pixels=rng.integers(0, 256, (n, 96, 96, 3), dtype=np.uint8), agent_pos=rng.uniform(0, 512, (n, 2)),
         action=rng.uniform(0, 512, (n, 2)), episode_index=np.repeat(np.arange(len(n_frames)), n_frames),
         frame_index=np.concatenate([np.arange(k) for k in n_frames]), coverage=rng.uniform(0, 1, n),
-        meta={"expert": "test"})
+        block_pose=rng.uniform(0, 512, (n, 3)), meta={"expert": "test"})
 
 
 def test_demonstrations_round_trip_and_episodes(tmp_path):
@@ -79,8 +80,9 @@ def test_demonstrations_round_trip_and_episodes(tmp_path):
     demos.save(tmp_path / "d")
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["data.npz", "meta.json"]
     back = Demonstrations.load(tmp_path / "d")
-    for name in ("pixels", "agent_pos", "action", "episode_index", "frame_index", "coverage"):
+    for name in ("pixels", "agent_pos", "action", "episode_index", "frame_index", "coverage", "block_pose"):
         assert np.array_equal(getattr(back, name), getattr(demos, name))
+    assert back.block_pose.dtype == np.float32 and back.block_pose.shape == (5, 3)
     assert back.meta["n_episodes"] == 2 and back.meta["n_frames"] == 5 and back.meta["expert"] == "test"
     assert back.episodes() == [slice(0, 3), slice(3, 5)]
     assert back.episode_starts.tolist() == [0, 3] and back.episode_ends.tolist() == [3, 5]
@@ -89,6 +91,20 @@ def test_demonstrations_round_trip_and_episodes(tmp_path):
                                                              "coverage")}, "action": demos.action[:2]})
     with pytest.raises(FileNotFoundError, match="embodied record"):
         Demonstrations.load(tmp_path / "missing")
+
+
+def test_demonstrations_without_block_pose_still_load(tmp_path):
+    """Folders recorded before the block_pose column existed load for pixel policies (block_pose None)."""
+    demos = _tiny_demos()
+    demos.block_pose = None
+    demos.save(tmp_path / "old")
+    with np.load(tmp_path / "old" / "data.npz") as data:
+        assert "block_pose" not in data.files
+    back = Demonstrations.load(tmp_path / "old")
+    assert back.block_pose is None and np.array_equal(back.pixels, demos.pixels) and back.n_episodes == 2
+    with pytest.raises(ValueError, match="column block_pose"):
+        Demonstrations(**{k: getattr(demos, k) for k in ("pixels", "agent_pos", "action", "episode_index",
+                                                         "frame_index", "coverage")}, block_pose=np.zeros((2, 3)))
 
 
 def test_demonstrations_save_is_atomic(tmp_path, monkeypatch):
@@ -119,6 +135,7 @@ def test_record_short_episodes(tmp_path):
     obs, _ = make_env().reset(seed=5)
     assert np.array_equal(demos.pixels[6], obs["pixels"])
     assert np.allclose(demos.agent_pos[6], obs["agent_pos"])
+    assert np.allclose(demos.block_pose[6], obs["block_pose"]) and demos.block_pose.shape == (12, 3)
     with pytest.raises(RuntimeError, match="none of 2 episodes succeeded"):
         record_demonstrations(None, n_episodes=1, seed=4, policy=GoTo(), progress=False, max_steps=2, max_tries=2)
 

@@ -9,7 +9,7 @@ import torch
 
 from tokenmind.cli import main
 from tokenmind.embodied.policy_train import load_policy_config
-from tokenmind.embodied.speedrun import load_speedrun_config, speedrun
+from tokenmind.embodied.speedrun import load_speedrun_config, policy_name, speedrun
 
 torch.set_num_threads(1)
 
@@ -19,7 +19,8 @@ TINY = {"image_size": 96, "crop_size": 88, "vision_channels": [8, 16], "stem_str
 
 
 def tiny_overrides(tmp_path: Path) -> list[str]:
-    return [f"out_dir={tmp_path / 'run'}", f"demos={tmp_path / 'run' / 'demos'}", "demo_episodes=2", "eval_episodes=2", "max_steps=16", "n_strips=1",
+    return [f"out_dir={tmp_path / 'run'}", f"demos={tmp_path / 'run' / 'demos'}", "demo_episodes=2", "eval_episodes=2",
+            "max_steps=16", "n_strips=1",
             *(f"policy.policy.{k}={json.dumps(v)}" for k, v in TINY.items()), "policy.data.batch_size=8",
             "policy.train.steps=3", "policy.schedule.warmup_steps=0", "policy.data.val_episodes=1"]
 
@@ -29,8 +30,17 @@ def test_packaged_configs_load_and_fit_the_policy():
     assert cfg.eval_episodes >= 50 and cfg.policy.policy.n_obs_steps == 2 and cfg.policy.policy.horizon == 16
     train = load_policy_config(Path(__file__).resolve().parent.parent / "src/tokenmind/configs/embodied_policy.yaml")
     assert train.policy == cfg.policy.policy  # the speedrun trains the policy `tokenmind embodied train` trains
-    with pytest.raises(FileNotFoundError, match="cpu-pusht"):
+    with pytest.raises(FileNotFoundError, match="cpu-pusht, cpu-pusht-state"):
         load_speedrun_config("no-such-run")
+
+
+def test_packaged_state_config_trains_the_state_policy():
+    cfg = load_speedrun_config("cpu-pusht-state")
+    configs = Path(__file__).resolve().parent.parent / "src/tokenmind/configs"
+    train = load_policy_config(configs / "embodied_policy_state.yaml")
+    assert cfg.policy.policy == train.policy and train.policy.obs_mode == "state"
+    assert cfg.demos == train.data.demos and cfg.eval_episodes >= 50 and cfg.eval_seed == 1000
+    assert policy_name(cfg.policy) == ("diffusion policy (state)", "diffusion_policy_state")
 
 
 @pytest.mark.slow

@@ -8,6 +8,8 @@ with LeRobot's column meanings:
                     of all episodes in order
         pixels          (N, 96, 96, 3) uint8    the camera frame the action was chosen from
         agent_pos       (N, 2) float32          agent position (observation.state)
+        block_pose      (N, 3) float32          the block's x, y, θ (observation.environment_state);
+                                                absent from folders recorded before it existed
         action          (N, 2) float32          the target position sent to the env at that frame
         episode_index   (N,) int64              0..E−1, in recording order
         frame_index     (N,) int64              0..len−1 within the episode
@@ -15,8 +17,9 @@ with LeRobot's column meanings:
     DIR/meta.json   {"format", "env_id", "fps", "n_frames", "n_episodes", "episode_seeds", "expert",
                      "only_successful", "episodes_tried", "success_rate_tried", "seconds", ...}
 
-Frame t pairs the observation before step t with the action taken at it; the final observation
-(after the last action) is not stored. `save` writes through `atomic_directory`, so a killed recording
+Pixel policies need no block_pose, so old folders still load (`block_pose` is then None); state
+policies refuse them with the fix (re-record). Frame t pairs the observation before step t with the
+action taken at it; the final observation (after the last action) is not stored. `save` writes through `atomic_directory`, so a killed recording
 never leaves a half-written dataset under the name.
 """
 
@@ -35,12 +38,13 @@ from tokenmind.embodied.env import ENV_ID, FPS, MAX_STEPS, make_env
 FORMAT = "tokenmind-pusht-demos/1"
 COLUMNS = {"pixels": np.uint8, "agent_pos": np.float32, "action": np.float32, "episode_index": np.int64,
            "frame_index": np.int64, "coverage": np.float32}
+OPTIONAL_COLUMNS = {"block_pose": np.float32}  # None when absent (folders recorded before the column existed)
 
 
 class Policy(Protocol):
     """What the recorder and `evaluate.evaluate_policy` drive: `reset()` before each episode, then
-    `act(obs)` → the (2,) target position for obs = {"pixels", "agent_pos"}. A policy that plans from the
-    simulator's full state (the scripted expert) also has `bind(env)`, called after each env reset."""
+    `act(obs)` → the (2,) target position for obs = {"pixels", "agent_pos", "block_pose"}. A policy that
+    plans from the simulator's full state (the scripted expert) also has `bind(env)`, called after each env reset."""
 
     def reset(self) -> None: ...
 
@@ -57,11 +61,14 @@ class Demonstrations:
     episode_index: np.ndarray
     frame_index: np.ndarray
     coverage: np.ndarray
+    block_pose: np.ndarray | None = None
     meta: dict = field(default_factory=dict)
 
     def __post_init__(self):
         n = len(self.pixels)
-        for name, dtype in COLUMNS.items():
+        for name, dtype in {**COLUMNS, **OPTIONAL_COLUMNS}.items():
+            if getattr(self, name) is None:
+                continue
             value = np.asarray(getattr(self, name), dtype=dtype)
             if len(value) != n:
                 raise ValueError(f"demonstrations: column {name} has {len(value)} rows, pixels has {n}")
@@ -92,7 +99,8 @@ class Demonstrations:
 
         meta = {"format": FORMAT, **self.meta, "n_frames": len(self), "n_episodes": self.n_episodes}
         with atomic_directory(path) as tmp:
-            np.savez_compressed(tmp / "data.npz", **{name: getattr(self, name) for name in COLUMNS})
+            np.savez_compressed(tmp / "data.npz", **{name: getattr(self, name) for name in (*COLUMNS, *OPTIONAL_COLUMNS)
+                                                     if getattr(self, name) is not None})
             (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         return Path(path)
 
@@ -106,25 +114,27 @@ class Demonstrations:
         if meta.get("format") != FORMAT:
             raise ValueError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
         with np.load(path / "data.npz") as data:
-            return cls(**{name: data[name] for name in COLUMNS}, meta=meta)
+            optional = {name: data[name] for name in OPTIONAL_COLUMNS if name in data.files}
+            return cls(**{name: data[name] for name in COLUMNS}, **optional, meta=meta)
 
 
 def run_episode(env, policy, seed: int, max_steps: int = MAX_STEPS, keep_frames: bool = True) -> dict:
     """One seeded episode: {"seed", "success", "steps", "max_coverage", "final_coverage", "coverage" (per
-    step), and with keep_frames "pixels", "agent_pos", "action" (per step, before it) and "last_pixels"
+    step), and with keep_frames "pixels", "agent_pos", "block_pose", "action" (per step, before it) and "last_pixels"
     (the frame after the last step)}. Stops at success or
     max_steps."""
     obs, _ = env.reset(seed=seed)
     policy.reset()
     if hasattr(policy, "bind"):
         policy.bind(env)
-    frames = {"pixels": [], "agent_pos": [], "action": []}
+    frames = {"pixels": [], "agent_pos": [], "block_pose": [], "action": []}
     covs, success = [], False
     for _ in range(max_steps):
         action = np.asarray(policy.act(obs), dtype=np.float32).reshape(2)
         if keep_frames:
             frames["pixels"].append(obs["pixels"])
             frames["agent_pos"].append(np.asarray(obs["agent_pos"], dtype=np.float32))
+            frames["block_pose"].append(np.asarray(obs["block_pose"], dtype=np.float32))
             frames["action"].append(action)
         obs, _, terminated, truncated, info = env.step(action)
         covs.append(float(info["coverage"]))
@@ -167,7 +177,8 @@ def record_demonstrations(out_dir: str | Path | None, n_episodes: int, seed: int
     env.close()
     if not kept:
         raise RuntimeError(f"record: none of {tried} episodes succeeded; pass only_successful=False to keep failures")
-    cols = {name: np.concatenate([np.asarray(ep[name]) for ep in kept]) for name in ("pixels", "agent_pos", "action")}
+    cols = {name: np.concatenate([np.asarray(ep[name]) for ep in kept])
+            for name in ("pixels", "agent_pos", "block_pose", "action")}
     cols["coverage"] = np.concatenate([ep["coverage"] for ep in kept])
     cols["episode_index"] = np.concatenate([np.full(ep["steps"], i) for i, ep in enumerate(kept)])
     cols["frame_index"] = np.concatenate([np.arange(ep["steps"]) for ep in kept])

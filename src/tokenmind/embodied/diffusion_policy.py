@@ -1,13 +1,18 @@
 """A diffusion policy (Chi et al. 2023, "Diffusion Policy"): the network that denoises a chunk of
 future actions, conditioned on the last few observations.
 
-The policy sees T_o observations (a camera frame and the agent's position each) and predicts
-T_p actions at once; the caller executes the first T_a of them and then re-plans (action
-chunking, receding-horizon control). The chunk starts at the oldest observation, so chunk row
-T_o − 1 is the action for the current frame.
+The policy sees T_o observations and predicts T_p actions at once; the caller executes the first
+T_a of them and then re-plans (action chunking, receding-horizon control). The chunk starts at the oldest observation, so chunk row
+T_o − 1 is the action for the current frame. An observation is (`obs_mode`):
 
-* `Normalizer`: agent positions and actions are mapped to [−1, 1] by the demonstrations' min/max
-  per dimension (buffers, so the statistics travel inside model.safetensors with the weights).
+* `pixels`: a camera frame and the agent's position (the paper's image variant);
+* `state`: the agent's position and the block's pose (x, y, sin θ, cos θ) — the paper's low-dim
+  variant: no CNN, so the network only has to learn the pushing, not where the T is in the image;
+* `pixels+state`: both.
+
+* `Normalizer`: agent positions, block positions and actions are mapped to [−1, 1] by the
+  demonstrations' min/max per dimension (θ enters as sin/cos, already in range); buffers, so the
+  statistics travel inside model.safetensors with the weights.
 * `ImageEncoder`: a small ResNet-style CNN with GroupNorm (BatchNorm's running statistics fight
   with an exponential moving average of the weights, the paper's reason) ending in a spatial
   softmax: each of K feature maps becomes the expected (x, y) of its activation, K keypoints.
@@ -49,6 +54,8 @@ from tokenmind.diffusion.schedules import (
 from tokenmind.model.checkpoint import atomic_directory
 
 OBJECTIVES = ("ddpm", "flow")
+OBS_MODES = ("pixels", "state", "pixels+state")
+BLOCK_FEATURES = 4  # block x, y (normalised), sin θ, cos θ
 SAMPLERS = {"ddpm": ("ddim", "ddpm"), "flow": ("euler",)}
 KIND = "diffusion-policy"  # config.json's "kind": what `load_policy` builds
 
@@ -62,17 +69,19 @@ def _check(ok: bool, message: str) -> None:
 class DiffusionPolicyConfig:
     """The policy's windows, networks and diffusion process.
 
-    n_obs_steps (T_o) observations in, horizon (T_p) actions out, n_action_steps (T_a) executed
-    before re-planning. image_size: the square frames' side; crop_size: the random (training) or
+    obs_mode: what one observation is: pixels (frame + agent position), state (agent position +
+    block pose, no image encoder) or pixels+state. n_obs_steps (T_o) observations in, horizon (T_p)
+    actions out, n_action_steps (T_a) executed before re-planning. image_size: the square frames' side; crop_size: the random (training) or
     centre (acting) crop the encoder sees. vision_channels: the CNN's width per stage (the stem
-    convolution divides the resolution by stem_stride, each later stage halves it); num_keypoints: spatial-softmax keypoints; obs_feature_dim: one frame's
-    image features. down_dims/kernel_size/groups/time_embed_dim: the 1-D U-Net. objective: ddpm
+    convolution divides the resolution by stem_stride, each later stage halves it); num_keypoints:
+    spatial-softmax keypoints; obs_feature_dim: one frame's image features. down_dims/kernel_size/groups/time_embed_dim: the 1-D U-Net. objective: ddpm
     (prediction_type, beta_schedule, num_train_timesteps) or flow (t_sampling); sampler and
     num_inference_steps: how actions are drawn when acting (ddim/ddpm for ddpm, euler for flow).
     noise_draws: noisy copies of each chunk per observation in training (the encoder runs once).
     """
 
     n_obs_steps: int = 2
+    obs_mode: str = "pixels"
     horizon: int = 16
     n_action_steps: int = 8
     action_dim: int = 2
@@ -98,6 +107,7 @@ class DiffusionPolicyConfig:
 
     def __post_init__(self) -> None:
         self.vision_channels, self.down_dims = list(self.vision_channels), list(self.down_dims)
+        _check(self.obs_mode in OBS_MODES, f"policy.obs_mode={self.obs_mode!r} is not one of {', '.join(OBS_MODES)}")
         _check(self.n_obs_steps >= 1, f"policy.n_obs_steps must be >= 1, got {self.n_obs_steps}")
         _check(1 <= self.n_action_steps <= self.horizon - self.n_obs_steps + 1,
                f"policy.n_action_steps={self.n_action_steps} must be in [1, horizon - n_obs_steps + 1] = "
@@ -125,20 +135,35 @@ class DiffusionPolicyConfig:
                f"policy.num_inference_steps must be in [1, num_train_timesteps={self.num_train_timesteps}]")
         _check(self.noise_draws >= 1, f"policy.noise_draws must be >= 1, got {self.noise_draws}")
 
+    @property
+    def uses_pixels(self) -> bool:
+        return self.obs_mode in ("pixels", "pixels+state")
+
+    @property
+    def uses_block_pose(self) -> bool:
+        return self.obs_mode in ("state", "pixels+state")
+
 
 class Normalizer(nn.Module):
-    """Per-dimension min/max scaling to [−1, 1] for agent positions ("state") and actions. A
-    dimension that never varies maps to −1 and back to its value."""
+    """Per-dimension min/max scaling to [−1, 1] for agent positions ("state"), actions and, with
+    block_dim > 0, the block's position ("block"). A dimension that never varies maps to −1 and back
+    to its value."""
 
-    def __init__(self, state_dim: int, action_dim: int):
+    def __init__(self, state_dim: int, action_dim: int, block_dim: int = 0):
         super().__init__()
-        for name, dim in (("state", state_dim), ("action", action_dim)):
+        self.names = ("state", "action", "block") if block_dim else ("state", "action")
+        for name, dim in zip(self.names, (state_dim, action_dim, block_dim)):
             self.register_buffer(f"{name}_min", torch.zeros(dim))
             self.register_buffer(f"{name}_max", torch.ones(dim))
 
-    def fit(self, state: torch.Tensor | np.ndarray, action: torch.Tensor | np.ndarray) -> Normalizer:
-        """Set the statistics from (N, state_dim) positions and (N, action_dim) actions."""
-        for name, values in (("state", state), ("action", action)):
+    def fit(self, state: torch.Tensor | np.ndarray, action: torch.Tensor | np.ndarray,
+            block: torch.Tensor | np.ndarray | None = None) -> Normalizer:
+        """Set the statistics from (N, state_dim) positions, (N, action_dim) actions and, when the
+        normaliser has a block entry, (N, block_dim) block positions."""
+        if ("block" in self.names) != (block is not None):
+            raise ValueError(f"Normalizer.fit: block positions {'missing' if block is None else 'given'}, "
+                             f"but the normaliser has {'a' if 'block' in self.names else 'no'} block entry")
+        for name, values in zip(self.names, (state, action, block)):
             values = torch.as_tensor(np.asarray(values), dtype=torch.float32)
             getattr(self, f"{name}_min").copy_(values.min(0).values)
             getattr(self, f"{name}_max").copy_(values.max(0).values)
@@ -296,27 +321,42 @@ class ConditionalUnet1D(nn.Module):
 
 
 class DiffusionPolicy(nn.Module):
-    """Normalizer + image encoder + denoiser. forward(x_t, t, cond) denoises normalised action
-    chunks given `encode_obs`'s features; `predict_action_chunk` samples chunks in env units."""
+    """Normalizer + image encoder (pixel modes) + denoiser. forward(x_t, t, cond) denoises normalised
+    action chunks given `encode_obs`'s features; `predict_action_chunk` samples chunks in env units."""
 
     def __init__(self, cfg: DiffusionPolicyConfig):
         super().__init__()
         self.cfg = cfg
-        self.normalizer = Normalizer(cfg.state_dim, cfg.action_dim)
-        self.encoder = ImageEncoder(cfg)
-        self.cond_dim = cfg.n_obs_steps * (cfg.obs_feature_dim + cfg.state_dim)
+        self.normalizer = Normalizer(cfg.state_dim, cfg.action_dim, 2 if cfg.uses_block_pose else 0)
+        self.encoder = ImageEncoder(cfg) if cfg.uses_pixels else None
+        per_step = cfg.state_dim + (cfg.obs_feature_dim if cfg.uses_pixels else 0) + (
+            BLOCK_FEATURES if cfg.uses_block_pose else 0)
+        self.cond_dim = cfg.n_obs_steps * per_step
         self.denoiser = ConditionalUnet1D(cfg, self.cond_dim)
 
-    def encode_obs(self, pixels: torch.Tensor, agent_pos: torch.Tensor,
-                   generator: torch.Generator | None = None) -> torch.Tensor:
-        """uint8 pixels (B, T_o, H, W, 3) and agent_pos (B, T_o, state_dim) in env units → (B, cond_dim):
-        each frame's image features next to its normalised position, the T_o frames concatenated.
-        generator: random crops (training); None: centre crops."""
+    def encode_obs(self, pixels: torch.Tensor | None, agent_pos: torch.Tensor,
+                   generator: torch.Generator | None = None, block_pose: torch.Tensor | None = None) -> torch.Tensor:
+        """uint8 pixels (B, T_o, H, W, 3), agent_pos (B, T_o, state_dim) and block_pose (B, T_o, 3: x, y, θ)
+        in env units → (B, cond_dim): per observation step its image features (pixel modes), normalised
+        position and block features (state modes: normalised x, y, sin θ, cos θ), the T_o steps
+        concatenated. Inputs the obs_mode does not use may be None. generator: random crops
+        (training); None: centre crops."""
+        cfg = self.cfg
         b, t = agent_pos.shape[:2]
-        if t != self.cfg.n_obs_steps:
-            raise ValueError(f"got {t} observation steps, the policy was built for n_obs_steps={self.cfg.n_obs_steps}")
-        features = self.encoder(pixels.flatten(0, 1), generator).view(b, t, -1)
-        return torch.cat([features, self.normalizer.normalize("state", agent_pos)], dim=-1).flatten(1)
+        if t != cfg.n_obs_steps:
+            raise ValueError(f"got {t} observation steps, the policy was built for n_obs_steps={cfg.n_obs_steps}")
+        parts = [self.normalizer.normalize("state", agent_pos)]
+        if cfg.uses_pixels:
+            if pixels is None:
+                raise ValueError(f"this policy (obs_mode={cfg.obs_mode}) conditions on pixels, but none were given")
+            parts.insert(0, self.encoder(pixels.flatten(0, 1), generator).view(b, t, -1))
+        if cfg.uses_block_pose:
+            if block_pose is None:
+                raise ValueError(f"this policy (obs_mode={cfg.obs_mode}) conditions on the block pose, but none was "
+                                 "given; pass the observation's block_pose")
+            theta = block_pose[..., 2:3].float()
+            parts += [self.normalizer.normalize("block", block_pose[..., :2]), theta.sin(), theta.cos()]
+        return torch.cat(parts, dim=-1).flatten(1)
 
     def forward(self, x_t: torch.Tensor, t: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         return self.denoiser(x_t, t, cond)
@@ -331,11 +371,12 @@ class DiffusionPolicy(nn.Module):
         return kind(schedule, cfg.prediction_type, clip_sample=True, timestep_spacing="trailing")
 
     @torch.no_grad()
-    def predict_action_chunk(self, pixels: torch.Tensor, agent_pos: torch.Tensor,
-                             generator: torch.Generator | None = None, steps: int | None = None) -> torch.Tensor:
+    def predict_action_chunk(self, pixels: torch.Tensor | None, agent_pos: torch.Tensor,
+                             generator: torch.Generator | None = None, steps: int | None = None,
+                             block_pose: torch.Tensor | None = None) -> torch.Tensor:
         """(B, horizon, action_dim) actions in env units for a batch of observation windows (as
         `encode_obs` takes them), sampled from N(0, I) noise drawn with `generator`."""
-        cond = self.encode_obs(pixels, agent_pos)
+        cond = self.encode_obs(pixels, agent_pos, block_pose=block_pose)
         shape = (len(cond), self.cfg.horizon, self.cfg.action_dim)
         chunk = sample(self, self.scheduler(), shape, cond, steps or self.cfg.num_inference_steps,
                        generator=generator, precision="fp32")

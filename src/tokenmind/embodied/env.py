@@ -7,10 +7,11 @@ Space damping is 0, so the block stops the moment nothing pushes it (quasi-stati
 the coverage of the goal by the block (intersection area / T area); an episode succeeds, and
 terminates, when coverage > 0.95, and is truncated after 300 steps.
 
-`make_env` returns it with observations {"pixels": (S, S, 3) uint8, "agent_pos": (2,) float64}.
-`block_pose`, `goal_pose` and `coverage` are in `info`, never in the observation: learned policies see
-only what a camera and the robot's own encoders would. The scripted expert reads the full state from
-the simulator itself (`PushTState.read(env)`).
+`make_env` returns it with observations {"pixels": (S, S, 3) uint8, "agent_pos": (2,) float64,
+"block_pose": (3,) float64}. Pixel policies read only the camera and the robot's own encoders
+(pixels, agent_pos); low-dimensional state policies (the Diffusion Policy paper's "low-dim" PushT)
+read the block's pose (x, y, θ) instead of the image, as a motion-capture system would give it. The
+scripted expert reads the full state from the simulator itself (`PushTState.read(env)`).
 """
 
 from __future__ import annotations
@@ -26,8 +27,23 @@ SUCCESS_COVERAGE = 0.95
 FPS = 10  # control rate: one action per 0.1 s
 
 
+class BlockPoseObservation(gymnasium.ObservationWrapper):
+    """Adds "block_pose" (x, y, θ of the block body, as `PushTState` reads it) to the env's observation
+    dict: the low-dimensional state a state-based policy conditions on."""
+
+    def __init__(self, env: gymnasium.Env):
+        super().__init__(env)
+        self.observation_space = gymnasium.spaces.Dict({
+            **env.observation_space.spaces,
+            "block_pose": gymnasium.spaces.Box(-np.inf, np.inf, shape=(3,), dtype=np.float64)})
+
+    def observation(self, observation: dict) -> dict:
+        block = self.env.unwrapped.block
+        return {**observation, "block_pose": np.array([*block.position, block.angle], dtype=np.float64)}
+
+
 def make_env(seed: int | None = None, render_size: int = 96, pixels: bool = True) -> gymnasium.Env:
-    """PushT-v0 with {"pixels", "agent_pos"} observations (frames `render_size`² RGB). With a seed, the
+    """PushT-v0 with {"pixels", "agent_pos", "block_pose"} observations (frames `render_size`² RGB). With a seed, the
     env's RNG is seeded (by one `reset(seed=seed)`): the episodes that later `reset()` calls draw are
     reproducible. `pixels=False` gives the 5-vector state observation and skips rendering (about 5×
     faster), for planning and tests that do not look."""
@@ -36,6 +52,8 @@ def make_env(seed: int | None = None, render_size: int = 96, pixels: bool = True
     kwargs = {"obs_type": "pixels_agent_pos", "observation_width": render_size,
               "observation_height": render_size} if pixels else {"obs_type": "state"}
     env = gymnasium.make(ENV_ID, render_mode="rgb_array", **kwargs)
+    if pixels:
+        env = BlockPoseObservation(env)
     if seed is not None:
         env.reset(seed=seed)
         env.action_space.seed(seed)

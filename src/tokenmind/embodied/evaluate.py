@@ -64,21 +64,23 @@ def evaluate_policy(policy, n_episodes: int = 50, seed: int = 1000, max_steps: i
                     name: str | None = None) -> dict:
     """Run `policy` (reset/act, see `demos.Policy`) for n_episodes seeded episodes; return `summarize`'s
     statistics plus "episodes" (seed, success, steps, max/final coverage each) and "seconds". With
-    strip_dir, the first n_strips episodes are also saved as frame strips `<name>_seed<S>.png`."""
+    strip_dir, the first n_strips episodes are also saved as frame strips `<name>_seed<S>.png`, and
+    so is the first successful episode when none of those succeeded (a solved rollout to look at)."""
     from tokenmind.progress import Bars
 
     name = name or type(policy).__name__
     env = make_env()
-    episodes, strips = [], []
+    episodes, strips, drew_success = [], [], False
     start = time.perf_counter()
     with Bars(progress) as bars:
         advance = bars.add(f"eval {name}"[:14], n_episodes)
         for i in range(n_episodes):
-            keep = strip_dir is not None and i < n_strips
+            keep = strip_dir is not None and (i < n_strips or not drew_success)
             ep = run_episode(env, policy, seed + i, max_steps, keep_frames=keep)
-            if keep:
+            if keep and (i < n_strips or ep["success"]):
                 path = Path(strip_dir) / f"{name}_seed{seed + i}.png"
                 strips.append(str(save_strip([*ep["pixels"], ep["last_pixels"]], path)))
+                drew_success |= ep["success"]
             episodes.append({k: ep[k] for k in ("seed", "success", "steps", "max_coverage", "final_coverage")})
             if advance:
                 advance(1, f"{sum(e['success'] for e in episodes)}/{i + 1} succeeded")

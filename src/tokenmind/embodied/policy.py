@@ -1,9 +1,9 @@
 """Trained policies as the simulator loop drives them, and loading one from disk.
 
 A policy (`demos.Policy`) is any object with `reset()` (a new episode begins) and `act(obs) ->
-action`, obs being the environment's dict ({"pixels": (H, W, 3) uint8, "agent_pos": (2,)}) and the
-action a (2,) target position; the scripted expert, the random baseline and trained policies all
-fit it, so one evaluation loop scores them all.
+action`, obs being the environment's dict ({"pixels": (H, W, 3) uint8, "agent_pos": (2,),
+"block_pose": (3,)}) and the action a (2,) target position; the scripted expert, the random baseline
+and trained policies all fit it, so one evaluation loop scores them all.
 
 `ChunkingPolicy` turns a model that predicts action chunks into such a policy by receding-horizon
 control: it keeps the last T_o observations (repeating the first one at an episode's start) and a
@@ -33,6 +33,11 @@ class ChunkingPolicy:
         self.model, self.seed, self.steps = model.eval(), seed, steps
         cfg = model.cfg
         self.n_obs_steps, self.n_action_steps = cfg.n_obs_steps, cfg.n_action_steps
+        self.keys = {"agent_pos": np.float32}  # what the model reads of an observation (the VLA: pixels + agent_pos)
+        if getattr(cfg, "uses_pixels", True):
+            self.keys["pixels"] = np.uint8
+        if getattr(cfg, "uses_block_pose", False):
+            self.keys["block_pose"] = np.float32
         self.device = next(model.parameters()).device
         self.generator = torch.Generator()
         self.observations: deque[dict[str, np.ndarray]] = deque(maxlen=cfg.n_obs_steps)
@@ -45,8 +50,11 @@ class ChunkingPolicy:
         self.generator.manual_seed(self.seed)
 
     def act(self, obs: dict[str, np.ndarray]) -> np.ndarray:
-        frame = {"pixels": np.array(obs["pixels"], dtype=np.uint8), "agent_pos": np.array(obs["agent_pos"],
-                                                                                          dtype=np.float32)}
+        missing = [key for key in self.keys if key not in obs]
+        if missing:
+            raise KeyError(f"the observation lacks {missing}: this policy reads {list(self.keys)} (make_env's "
+                           "observations have them all)")
+        frame = {key: np.array(obs[key], dtype=dtype) for key, dtype in self.keys.items()}
         while len(self.observations) < self.n_obs_steps - 1:  # an episode's first frame stands in for the past
             self.observations.append(frame)
         self.observations.append(frame)
@@ -56,9 +64,11 @@ class ChunkingPolicy:
 
     def plan(self) -> list[np.ndarray]:
         """The next T_a actions from a chunk sampled for the current observation window."""
-        pixels = torch.from_numpy(np.stack([o["pixels"] for o in self.observations]))[None].to(self.device)
-        agent_pos = torch.from_numpy(np.stack([o["agent_pos"] for o in self.observations]))[None].to(self.device)
-        chunk = self.model.predict_action_chunk(pixels, agent_pos, self.generator, self.steps)[0].cpu().numpy()
+        window = {key: torch.from_numpy(np.stack([o[key] for o in self.observations]))[None].to(self.device)
+                  for key in self.keys}
+        block = {"block_pose": window["block_pose"]} if "block_pose" in window else {}  # state policies only
+        chunk = self.model.predict_action_chunk(window.get("pixels"), window["agent_pos"], self.generator, self.steps,
+                                                **block)[0].cpu().numpy()
         start = self.n_obs_steps - 1  # the chunk's row for the current frame
         return list(chunk[start:start + self.n_action_steps])
 

@@ -98,16 +98,22 @@ def load_policy_config(path: str | Path | None = None, overrides: Overrides = ()
 
 @dataclass
 class ChunkBatch:
-    """pixels: uint8 (B, T_o, H, W, 3); agent_pos: (B, T_o, state_dim) and action: (B, T_p, action_dim)
-    in env units; noise_seed: seeds the objective's crops, timesteps and noise for this batch."""
+    """pixels: uint8 (B, T_o, H, W, 3); agent_pos: (B, T_o, state_dim), action: (B, T_p, action_dim) and
+    block_pose: (B, T_o, 3) in env units; noise_seed: seeds the objective's crops, timesteps and noise
+    for this batch. pixels / block_pose are None when the loader was built without them."""
 
-    pixels: torch.Tensor
+    pixels: torch.Tensor | None
     agent_pos: torch.Tensor
     action: torch.Tensor
     noise_seed: int
+    block_pose: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> ChunkBatch:
-        return ChunkBatch(self.pixels.to(device), self.agent_pos.to(device), self.action.to(device), self.noise_seed)
+        def move(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else x.to(device)
+
+        return ChunkBatch(move(self.pixels), self.agent_pos.to(device), self.action.to(device), self.noise_seed,
+                          move(self.block_pose))
 
 
 def episode_bounds(episode_index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -125,12 +131,14 @@ def episode_bounds(episode_index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 class ChunkLoader:
     """Endless batches of (T_o observations, T_p actions) windows ending their observations at each
     of `rows`, in a seeded order per epoch; the last partial batch of an epoch is dropped. Its state
-    is (epoch, position), so a resumed run continues with the very same batches."""
+    is (epoch, position), so a resumed run continues with the very same batches. pixels=None (a
+    state policy) leaves the frames out of the batches; block_pose adds the block's pose windows."""
 
-    def __init__(self, pixels: np.ndarray, agent_pos: np.ndarray, action: np.ndarray, episode_index: np.ndarray,
-                 rows: np.ndarray, n_obs_steps: int, horizon: int, batch_size: int, *, seed: int = 0,
-                 shuffle: bool = True) -> None:
-        self.pixels = torch.as_tensor(np.asarray(pixels))
+    def __init__(self, pixels: np.ndarray | None, agent_pos: np.ndarray, action: np.ndarray,
+                 episode_index: np.ndarray, rows: np.ndarray, n_obs_steps: int, horizon: int, batch_size: int, *,
+                 seed: int = 0, shuffle: bool = True, block_pose: np.ndarray | None = None) -> None:
+        self.pixels = None if pixels is None else torch.as_tensor(np.asarray(pixels))
+        self.block_pose = None if block_pose is None else torch.as_tensor(np.asarray(block_pose, dtype=np.float32))
         self.agent_pos = torch.as_tensor(np.asarray(agent_pos, dtype=np.float32))
         self.action = torch.as_tensor(np.asarray(action, dtype=np.float32))
         first, last = episode_bounds(episode_index)
@@ -157,7 +165,8 @@ class ChunkLoader:
         first, last = self.first[rows, None], self.last[rows, None]
         obs = torch.minimum(torch.maximum(rows[:, None] + self.obs_offsets, first), last)
         act = torch.minimum(torch.maximum(rows[:, None] + self.action_offsets, first), last)
-        return ChunkBatch(self.pixels[obs], self.agent_pos[obs], self.action[act], 0)
+        return ChunkBatch(None if self.pixels is None else self.pixels[obs], self.agent_pos[obs], self.action[act], 0,
+                          None if self.block_pose is None else self.block_pose[obs])
 
     def __iter__(self) -> ChunkLoader:
         return self
@@ -200,8 +209,9 @@ class ChunkDenoisingObjective:
 
     def __call__(self, model: DiffusionPolicy, batch: ChunkBatch, precision: str) -> LossTerms:
         generator = torch.Generator(batch.action.device).manual_seed(batch.noise_seed)
+        block = {} if batch.block_pose is None else {"block_pose": batch.block_pose}  # state policies only
         with autocast(batch.action.device, precision):
-            cond = model.encode_obs(batch.pixels, batch.agent_pos, generator)
+            cond = model.encode_obs(batch.pixels, batch.agent_pos, generator, **block)
         k = self.cfg.noise_draws
         x0 = model.normalizer.normalize("action", batch.action).repeat_interleave(k, 0)
         x_t, t, target = self.draws.inputs(ImageBatch(x0, cond, batch.noise_seed), generator)
@@ -286,26 +296,33 @@ def split_rows(episode_index: np.ndarray, val_episodes: int) -> tuple[np.ndarray
 
 
 def build_policy_trainer(cfg: PolicyTrainConfig, ctx: DistContext, demos: Any) -> PolicyTrainer:
-    """The trainer for `demos` (anything with pixels, agent_pos, action and episode_index arrays):
-    the policy initialized from train.seed, its normaliser fitted to the demonstrations, the EMA
-    attached when train.ema_decay > 0, and loaders over the train / held-out episodes."""
+    """The trainer for `demos` (anything with pixels, agent_pos, action and episode_index arrays, and
+    block_pose for state policies): the policy initialized from train.seed, its normaliser fitted to
+    the demonstrations, the EMA attached when train.ema_decay > 0, and loaders over the train /
+    held-out episodes."""
     if ctx.world_size > 1:
         raise ValueError("policy training runs in one process; set train.distributed=none")
     p = cfg.policy
     image_size = demos.pixels.shape[1]
-    if demos.pixels.shape[1:] != (p.image_size, p.image_size, 3):
+    if p.uses_pixels and demos.pixels.shape[1:] != (p.image_size, p.image_size, 3):
         raise ValueError(f"the demonstrations' frames are {tuple(demos.pixels.shape[1:])}, the policy expects "
                          f"({p.image_size}, {p.image_size}, 3); set policy.image_size={image_size}")
+    block_pose = getattr(demos, "block_pose", None) if p.uses_block_pose else None
+    if p.uses_block_pose and block_pose is None:
+        raise ValueError(f"policy.obs_mode={p.obs_mode} conditions on the block pose, but the demonstrations "
+                         f"({cfg.data.demos}) have no block_pose column (recorded before it existed); re-record them "
+                         f"with `tokenmind embodied record --out DIR` and set data.demos=DIR")
     torch.manual_seed(cfg.train.seed)
     model = DiffusionPolicy(p)
-    model.normalizer.fit(demos.agent_pos, demos.action)
+    model.normalizer.fit(demos.agent_pos, demos.action, None if block_pose is None else np.asarray(block_pose)[:, :2])
     if cfg.train.ema_decay > 0:
         model.ema = EMA([q for q in model.parameters() if q.requires_grad], cfg.train.ema_decay, cfg.train.ema_power)
     train_rows, val_rows = split_rows(np.asarray(demos.episode_index), cfg.data.val_episodes)
 
     def loader(rows: np.ndarray, seed: int, shuffle: bool) -> ChunkLoader:
-        return ChunkLoader(demos.pixels, demos.agent_pos, demos.action, demos.episode_index, rows, p.n_obs_steps,
-                           p.horizon, cfg.data.batch_size, seed=seed, shuffle=shuffle)
+        return ChunkLoader(demos.pixels if p.uses_pixels else None, demos.agent_pos, demos.action,
+                           demos.episode_index, rows, p.n_obs_steps, p.horizon, cfg.data.batch_size, seed=seed,
+                           shuffle=shuffle, block_pose=block_pose)
 
     val = loader(val_rows, cfg.data.seed + 1, False) if len(val_rows) else None
     return PolicyTrainer(cfg, ctx, model, loader(train_rows, cfg.data.seed, cfg.data.shuffle), val,

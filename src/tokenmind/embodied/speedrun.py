@@ -2,7 +2,8 @@
 ending in `report.md` with the results table, the loss curve and frame strips.
 
 record demonstrations with the scripted expert (or reuse the folder when it holds some) → train the
-diffusion policy by behaviour cloning → evaluate it, the scripted expert and a random policy on the
+diffusion policy by behaviour cloning (from pixels, `cpu-pusht`, or from the low-dimensional state,
+`cpu-pusht-state`) → evaluate it, the scripted expert and a random policy on the
 same seeded episodes (success rate and mean coverage with standard errors) → report. Each stage is a
 library call; `tokenmind.progress.Stages` records finished stages in `stages.json`, so a re-run
 resumes (training also resumes from its checkpoints).
@@ -22,10 +23,12 @@ from tokenmind.config import Overrides, load_config, save_resolved
 from tokenmind.jsonl import atomic_open
 from tokenmind.progress import Stages
 
+from .diffusion_policy import DiffusionPolicyConfig
 from .policy import load_policy
 from .policy_train import PolicyTrainConfig, train_policy
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+PACKAGED = {"cpu-pusht": "embodied_speedrun.yaml", "cpu-pusht-state": "embodied_speedrun_state.yaml"}
 
 
 @dataclass
@@ -64,13 +67,15 @@ class EmbodiedSpeedrunConfig:
 
 
 def load_speedrun_config(name_or_path: str = "cpu-pusht", overrides: Overrides = ()) -> EmbodiedSpeedrunConfig:
-    """The packaged config (`cpu-pusht` → configs/embodied_speedrun.yaml) or a YAML path, then
-    `key=value` overrides such as `policy.train.steps=10`."""
+    """A packaged config (`cpu-pusht` → configs/embodied_speedrun.yaml, the pixel policy;
+    `cpu-pusht-state` → embodied_speedrun_state.yaml, the state policy) or a YAML path, then `key=value`
+    overrides such as `policy.train.steps=10`."""
     path = Path(name_or_path)
     if not path.exists():
-        if name_or_path != "cpu-pusht":
-            raise FileNotFoundError(f"no embodied speedrun config {name_or_path!r}: not a file, and not cpu-pusht")
-        path = CONFIG_DIR / "embodied_speedrun.yaml"
+        if name_or_path not in PACKAGED:
+            raise FileNotFoundError(f"no embodied speedrun config {name_or_path!r}: not a file, and not one of "
+                                    f"{', '.join(PACKAGED)}")
+        path = CONFIG_DIR / PACKAGED[name_or_path]
     return load_config(EmbodiedSpeedrunConfig, path, overrides)
 
 
@@ -114,12 +119,33 @@ def speedrun(cfg: EmbodiedSpeedrunConfig) -> Path:
 
     data = stages.run("demos", lambda: ensure_demos(demos_dir, cfg.demo_episodes, cfg.demo_seed))
     trained = stages.run("train", train)
-    results = {"diffusion policy": stages.run("eval_policy", lambda: evaluate(
-        load_policy(trained["path"], seed=cfg.policy.train.seed), "diffusion_policy"))}
+    label, name = policy_name(policy_cfg)
+    results = {label: stages.run("eval_policy", lambda: evaluate(
+        load_policy(trained["path"], seed=cfg.policy.train.seed), name))}
     if cfg.baselines:
         results["scripted expert"] = stages.run("eval_expert", lambda: evaluate(ScriptedExpert(), "expert"))
         results["random"] = stages.run("eval_random", lambda: evaluate(RandomPolicy(cfg.eval_seed), "random"))
     return write_report(cfg, policy_cfg, out, stages.timings, data, trained, results)
+
+
+def observation_text(p: DiffusionPolicyConfig) -> str:
+    """What one observation of the policy `p` is, for the report."""
+    parts = []
+    if p.uses_pixels:
+        parts.append(f"a {p.image_size}² frame through the CNN {p.vision_channels} (stem stride {p.stem_stride}, "
+                     f"crop {p.crop_size}, {p.num_keypoints} keypoints)")
+    parts.append("the agent position")
+    if p.uses_block_pose:
+        parts.append("the block pose (x, y, sin θ, cos θ)")
+    return " + ".join(parts)
+
+
+def policy_name(cfg: PolicyTrainConfig) -> tuple[str, str]:
+    """(the report's label, the strips' file prefix) of the trained policy: its observation mode shows."""
+    mode = cfg.policy.obs_mode
+    if mode == "pixels":
+        return "diffusion policy", "diffusion_policy"
+    return f"diffusion policy ({mode})", "diffusion_policy_" + mode.replace("+", "_")
 
 
 def write_report(cfg: EmbodiedSpeedrunConfig, policy_cfg: PolicyTrainConfig, out: Path, timings: dict[str, float],
@@ -149,20 +175,23 @@ def write_report(cfg: EmbodiedSpeedrunConfig, policy_cfg: PolicyTrainConfig, out
               f"- demonstrations `{data['path']}` ({'reused' if data['reused'] else 'recorded in this run'}): "
               f"{data['episodes']} successful expert episodes, {data['frames']:,} frames "
               f"(mean length {data['mean_length']})",
-              f"- policy: T_o={p.n_obs_steps} observations, T_p={p.horizon}-action chunks, T_a={p.n_action_steps} "
-              f"executed per plan; encoder {p.vision_channels} (stem stride {p.stem_stride}, crop {p.crop_size}, "
-              f"{p.num_keypoints} keypoints), U-Net {p.down_dims}; {p.objective} ({p.prediction_type}, "
+              f"- policy: T_o={p.n_obs_steps} observations ({observation_text(p)}), T_p={p.horizon}-action chunks, "
+              f"T_a={p.n_action_steps} executed per plan; U-Net {p.down_dims}; {p.objective} ({p.prediction_type}, "
               f"{p.beta_schedule}, {p.num_train_timesteps} steps), sampled by {p.sampler} in {p.num_inference_steps} "
               "steps",
               f"- training: {trained['steps']} steps of batch {policy_cfg.data.batch_size} ({trained['samples']:,} "
               f"samples, {f(trained['samples_per_s'], 1)} samples/s), {t.precision}, EMA decay up to {t.ema_decay}; "
               f"final train loss {f(trained['final_loss'], 4)}, validation loss {f(trained['final_val_loss'], 4)}", "",
               "![loss curve](policy/loss.png)", "", "## Frame strips", "",
-              "Each strip: frames evenly spaced over one evaluation episode, first to last.", ""]
+              "Each strip: frames evenly spaced over one evaluation episode, first to last (the first episodes, "
+              "and a policy's first solved episode when none of those was).", ""]
     for name, r in results.items():
         for strip in r.get("strips", []):
             rel = Path(strip).relative_to(out) if Path(strip).is_relative_to(out) else Path(strip)
-            lines += [f"{name}, `{rel.stem}`:", "", f"![{name}]({rel})", ""]
+            episode = next((e for e in r.get("episodes", []) if strip.endswith(f"_seed{e['seed']}.png")), None)
+            outcome = "" if episode is None else (f" (solved in {episode['steps']} steps)" if episode["success"] else
+                                                  f" (not solved; max coverage {episode['max_coverage']:.2f})")
+            lines += [f"{name}, `{rel.stem}`{outcome}:", "", f"![{name}]({rel})", ""]
     path = out / "report.md"
     with atomic_open(path) as handle:
         handle.write("\n".join(lines) + "\n")
