@@ -176,11 +176,10 @@ def save_checkpoint(root: str | Path, step: int, state: TrainingState, ctx: Dist
     root = Path(root)
     final = root / checkpoint_name(step)
     tmp = root / f"{final.name}.tmp"
-    parts = [None] * ctx.world_size if ctx.is_main else None
-    if ctx.world_size > 1:
+    parts = [state.rank]
+    if ctx.world_size > 1:  # every rank's part, in rank order, to rank 0
+        parts = [None] * ctx.world_size if ctx.is_main else None
         dist.gather_object(state.rank, parts)
-    else:
-        parts = [state.rank]
     if ctx.is_main:
         shutil.rmtree(tmp, ignore_errors=True)  # a stale one from a crash
         tmp.mkdir(parents=True)
