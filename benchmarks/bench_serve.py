@@ -187,7 +187,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, scenario:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     t0 = time.perf_counter()
     first = last = None
-    chunks, tokens, prompt_tokens = 0, None, None
+    chunks, tokens, prompt_tokens, cached_tokens = 0, None, None, None
     content: list[str] = []
     calls: dict[int, dict] = {}
     finish = None
@@ -203,6 +203,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, scenario:
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
                 prompt_tokens = event["usage"].get("prompt_tokens")
+                cached_tokens = (event["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
             output = False
             for choice in event.get("choices", []):
                 delta = choice.get("delta") or {}
@@ -227,7 +228,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, scenario:
     text = "".join(content)
     problem = check_output(scenario, text, [calls[k] for k in sorted(calls)])
     return {"ttft": (first or end) - t0, "latency": end - t0, "tokens": tokens, "prompt_tokens": prompt_tokens,
-            "finish": finish,
+            "cached_tokens": cached_tokens, "finish": finish,
             "tpot": (last - first) / (tokens - 1) if first is not None and chunks > 1 and tokens > 1 else None,
             "problem": problem, "output": text[:300] if not calls else json.dumps(list(calls.values()))[:300]}
 
