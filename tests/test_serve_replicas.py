@@ -110,6 +110,7 @@ def test_router_config_names_the_problem():
     with pytest.raises(ValueError, match="replicas must be >= 1"):
         RouterConfig(replicas=0)
     assert RouterConfig(replicas=2).routed and not RouterConfig().routed
+    assert RouterConfig(ray_address="auto").launcher == "ray"
 
 
 # ----------------------------------------------------------------- the router over live replicas (in-process)

@@ -257,7 +257,7 @@ def serve_replicas(serve: ServeConfig, config: RouterConfig) -> int:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if config.replica_urls:
         launcher: LocalReplicas | RayReplicas | contextlib.nullcontext = contextlib.nullcontext()
-    elif config.launcher == "ray" or config.ray_address:
+    elif config.launcher == "ray":
         launcher = RayReplicas(serve, config)
     else:
         launcher = LocalReplicas(serve, config)

@@ -82,6 +82,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"router policy {self.policy!r}: choose one of {', '.join(POLICIES)}")
+        if self.ray_address is not None:  # a cluster address means the Ray launcher
+            self.launcher = "ray"
         if self.launcher not in LAUNCHERS:
             raise ValueError(f"replica launcher {self.launcher!r}: choose one of {', '.join(LAUNCHERS)}")
         if self.replicas < 1:
