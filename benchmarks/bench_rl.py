@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_info, side_or_run
@@ -65,7 +66,9 @@ def _mean(xs: list[float]) -> float:
 # ---- tokenmind -----------------------------------------------------------------------------------
 
 
-def _tokenmind(args: argparse.Namespace) -> dict:
+def tokenmind_trainer(args: argparse.Namespace, *overrides: str, reward: Any = None) -> tuple[Any, float]:
+    """(tokenmind's GRPO trainer with the settings above, seconds to build it); `overrides` win;
+    `reward` replaces the task's verifier."""
     from tokenmind.posttrain.rl_train import Task, build_rl_trainer, load_rl_config
     from tokenmind.posttrain.tasks import get_verifier
     from tokenmind.train.distributed import init_distributed
@@ -78,10 +81,18 @@ def _tokenmind(args: argparse.Namespace) -> dict:
         f"--data.batch_size={args.prompts}", f"--data.seed={SEED}", f"--optim.lr={LR}",
         f"--optim.betas=[{BETAS[0]},{BETAS[1]}]", "--optim.weight_decay=0", "--optim.grad_clip=1.0",
         "--train.precision=fp32", "--train.grad_accum=1", "--train.device=cpu", "--train.steps=1000",
-        "--train.eval_every=0", "--train.checkpoint_every=0", f"--train.out_dir={tempfile.mkdtemp()}"])
+        "--train.eval_every=0", "--train.checkpoint_every=0", f"--train.out_dir={tempfile.mkdtemp()}",
+        *overrides])
     started = time.perf_counter()
-    trainer = build_rl_trainer(cfg, init_distributed("none", "cpu"), Task(items, [], get_verifier("multistep")))
-    setup_s = time.perf_counter() - started
+    task = Task(items, [], reward or get_verifier("multistep"))
+    trainer = build_rl_trainer(cfg, init_distributed("none", "cpu"), task)
+    return trainer, time.perf_counter() - started
+
+
+def timed_steps(trainer: Any, args: argparse.Namespace) -> list[dict]:
+    """`args.warmup` untimed optimizer steps, then `args.steps` timed ones: each step's time, the
+    loader's rollout_s / prepare_s split, completion tokens, reward, loss, gradient norm, the rollout's staleness, the
+    engine's own tokens/s (on the actors, if there) and the last weight push's seconds."""
     steps = []
     for k in range(args.warmup + args.steps):
         t0 = time.perf_counter()
@@ -90,11 +101,18 @@ def _tokenmind(args: argparse.Namespace) -> dict:
         rollout = trainer.loader.pop_metrics()
         if k >= args.warmup:
             steps.append({"step_s": step_s, "rollout_s": rollout["rollout_s"], "prepare_s": rollout["prepare_s"],
-                          "tokens": rollout["rollout_tokens_per_s"] * rollout["rollout_s"],
-                          "completion_length": rollout["completion_length"], "reward": rollout["reward"],
-                          "loss": stats["loss"]})
-    return _summary(steps, setup_s, {"engine": "tokenmind paged engine (same process, live weights)",
-                                     "torch_threads": _threads()})
+                          "tokens": rollout["rollout_tokens"], "completion_length": rollout["completion_length"],
+                          "reward": rollout["reward"], "loss": stats["loss"], "grad_norm": stats["grad_norm"],
+                          "staleness": rollout["staleness"],
+                          "engine_tokens_per_s": rollout["rollout_tokens_per_s"],
+                          "weights_push_s": rollout.get("weights_push_s", 0.0)})
+    return steps
+
+
+def _tokenmind(args: argparse.Namespace) -> dict:
+    trainer, setup_s = tokenmind_trainer(args)
+    return _summary(timed_steps(trainer, args), setup_s,
+                    {"engine": "tokenmind paged engine (same process, live weights)", "torch_threads": _threads()})
 
 
 # ---- TRL -----------------------------------------------------------------------------------------
@@ -278,14 +296,19 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> dict | None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--prompts", type=int, default=4, help="prompts per step")
-    p.add_argument("--group", type=int, default=8, help="completions per prompt (G)")
-    p.add_argument("--max-new", type=int, default=64, help="max new tokens per completion")
-    p.add_argument("--steps", type=int, default=2, help="timed optimizer steps per side")
+def step_arguments(p: argparse.ArgumentParser, prompts: int, group: int, max_new: int, steps: int) -> None:
+    """The options `tokenmind_trainer` and `timed_steps` read, with a benchmark's defaults."""
+    p.add_argument("--prompts", type=int, default=prompts, help="prompts per step")
+    p.add_argument("--group", type=int, default=group, help="completions per prompt (G)")
+    p.add_argument("--max-new", type=int, default=max_new, help="max new tokens per completion")
+    p.add_argument("--steps", type=int, default=steps, help="timed optimizer steps per run")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     p.add_argument("--items", type=int, default=256, help="task items in the pool prompts are drawn from")
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    step_arguments(p, prompts=4, group=8, max_new=64, steps=2)
     p.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS for both sides (0: torch's default)")
     p.add_argument("--out")
     for hidden in ("--side", "--hf-dir"):  # a child process's

@@ -1145,7 +1145,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "tests, a reward model) and takes a policy-gradient step. Held-out accuracy every "
                                    "--train.eval_every steps; curves in OUT/rl.png. E.g. tokenmind rl --algo grpo "
                                    "--task gym:chain_sum --train.steps=60; tokenmind rl --compare RUN_DIR... draws "
-                                   "finished runs side by side. Sections: rl, data, lora, optim, schedule, train; see "
+                                   "finished runs side by side. --rl.rollout_workers=N samples on N Ray actors "
+                                   "(--rl.async_rollouts=true: one step stale, overlapping the learner; "
+                                   "docs/scale-out.md). Sections: rl, data, lora, optim, schedule, train; see "
                                    "docs/posttraining.md.")
     p.add_argument("--config", default=None, help="YAML RL config (e.g. src/tokenmind/configs/rl_smollm2.yaml)")
     p.add_argument("--algo", default=None, choices=["reinforce", "rloo", "ppo", "grpo", "dr_grpo", "dapo"],

@@ -272,11 +272,17 @@ class RLTrainer(Trainer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.loader.policy_updated(self.step)  # a resumed run's weights are the checkpoint's
+        self.loader.policy_updated(self.updates)  # a resumed run's weights are the checkpoint's
+
+    @property
+    def updates(self) -> int:
+        """Optimizer steps taken: the LR scheduler counts them (checkpointed, and counted also when
+        `train_step` is called on its own, as benchmarks do, which leaves `step` alone)."""
+        return self.scheduler.last_epoch
 
     def train_step(self) -> dict[str, float]:
         stats = super().train_step()
-        self.loader.policy_updated(self.step + 1)
+        self.loader.policy_updated(self.updates)
         return stats
 
     def export(self) -> Path:

@@ -177,6 +177,7 @@ class RolloutLoader:
         self.llm: LLM | None = None
         self.workers, self.async_rollouts = workers, async_rollouts
         self.version = 0  # the learner's optimizer steps so far
+        self.push_s = 0.0  # seconds the last push of the weights to the workers took here
         self.prefetched: tuple[list[int], Any] | None = None  # the next rollout's first round, being sampled
         self.resume_at: tuple[int, int, int] | None = None  # (epoch, cursor, rollouts) before that request
 
@@ -207,7 +208,9 @@ class RolloutLoader:
         nothing moves: the engine runs on the live weights and drops its prefix cache per batch."""
         self.version = version
         if self.workers is not None:
+            tick = time.perf_counter()
             self.workers.push(self.policy.model, version)
+            self.push_s = time.perf_counter() - tick
 
     def close(self) -> None:
         """Stop the workers (nothing to do without them)."""
@@ -326,6 +329,8 @@ class RolloutLoader:
             "policy_version": float(min(g.version for g in kept)),
             "staleness": float(self.version - min(g.version for g in kept)),
         }
+        if self.workers is not None:  # the learner's share of the last weight push (the actors copy meanwhile)
+            self.metrics["weights_push_s"] = self.push_s
         if self.logp_gaps:  # how far the engine's log-probs are from the learner's on the same tokens
             self.metrics["sampler_logp_gap"] = float(np.mean(self.logp_gaps))
 
