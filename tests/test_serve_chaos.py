@@ -154,13 +154,18 @@ def test_a_large_allowed_body_is_parsed_off_the_event_loop():
     """~0.9 MB of text is read, parsed and tokenized on a worker thread; others keep being answered."""
     with LiveServer(tiny_pretrained()) as server:
         big = body("é" * 450_000)  # 900 kB as UTF-8, more as JSON
+        start = time.monotonic()
         sender, result = in_background(httpx.post, server.url + CHAT, json=big, timeout=60)
         latencies = []
         while sender.is_alive():
             latencies.append(_timed_get(server.url + "/v1/models"))
+        elapsed = time.monotonic() - start
         r = result["value"]
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-        assert max(latencies, default=0) < 0.2  # tokenizing it while holding the GIL stalls others ~0.3 s
+        # Relative to the big request's own time, so a loaded machine moves both: parsed on the loop, one
+        # small request waits for all of it; tokenized holding the GIL, ~0.6 of it (0.3 of 0.5 s idle);
+        # off the loop, 0.1-0.15 (measured on a loaded AMD EPYC: 0.14-0.21 s of 1.1-1.6 s).
+        assert len(latencies) >= 3 and max(latencies) < 0.4 * elapsed, (latencies, elapsed)
 
 
 def stream_lines(url, json_body):
