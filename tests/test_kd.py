@@ -21,6 +21,7 @@ from tokenmind.engine.sampling import SamplingParams
 from tokenmind.jsonl import read_jsonl
 from tokenmind.model.checkpoint import load_hf_dir, save_hf_dir
 from tokenmind.model.config import ModelConfig
+from tokenmind.model.cpu import fastest_autocast
 from tokenmind.model.load import Pretrained, load_model
 from tokenmind.model.transformer import Transformer
 from tokenmind.posttrain.data import prepare_chat_data
@@ -339,7 +340,7 @@ def test_smollm2_teacher_to_a_four_layer_student(tmp_path: Path) -> None:
     cfg = load_kd_config(None, ["--distill.teacher=smollm2", "--distill.layers=[0,10,20,29]", f"--data.files={files}",
                                 "--data.seq_len=128", "--data.batch_size=4", "--data.val_fraction=0.1",
                                 "--optim.lr=1e-3", "--schedule.name=constant", "--schedule.warmup_steps=0",
-                                "--train.steps=6", "--train.precision=bf16", "--train.eval_batches=2",
+                                "--train.steps=6", f"--train.precision={fastest_autocast('cpu')}", "--train.eval_batches=2",
                                 f"--train.out_dir={tmp_path / 'run'}"])
     trainer = kd_trainer(cfg)
     before = trainer.evaluate()["kl"]
