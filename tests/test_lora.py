@@ -12,6 +12,7 @@ from tokenmind.model.lora import (
     LoRAConfig,
     LoRALinear,
     add_lora,
+    adapter_parameters,
     adapter_state,
     load_adapter,
     lora_layers,
@@ -51,6 +52,28 @@ def test_saved_adapter_loads_in_peft_with_equal_logits(tmp_path, targets):
     assert (got - expected).abs().max() < TOL
     base = make_pair("llama-gqa")[1](x).logits  # the adapter really moved the logits
     assert (got - base).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("case", ["llama-gqa", "qwen2-bias"])
+def test_training_gradients_equal_peft(tmp_path, case):
+    """The adapter's gradients (through the fused frozen-base + LoRA node, `_FrozenLinearWithLoRA`)
+    equal PEFT's on the unfused transformers model: every slice's A and B, and through the
+    input gradients of the blocks above, the lower blocks' too."""
+    cfg, hf, ours = make_pair(case)
+    add_lora(ours, LoRAConfig(rank=4, alpha=8, targets=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]))
+    randomize_adapters(ours)
+    save_adapter(ours, tmp_path / "adapter", base_model="tiny")
+    reference = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter", is_trainable=True).train()
+    x, g = ids(cfg), torch.Generator().manual_seed(3)
+    probe = torch.randn(*x.shape, cfg.vocab_size, generator=g)
+    (ours.train()(x) * probe).sum().backward()
+    (reference(x).logits * probe).sum().backward()
+    theirs = {n.replace(".default.weight", ".weight"): p.grad
+              for n, p in reference.named_parameters() if p.requires_grad}
+    mine = {n: p.grad for n, p in adapter_parameters(ours).items()}
+    assert sorted(mine) == sorted(theirs)
+    for name, grad in mine.items():
+        torch.testing.assert_close(grad, theirs[name], atol=1e-4, rtol=1e-4, msg=name)
 
 
 def test_q_and_v_alone_leave_k_untouched():

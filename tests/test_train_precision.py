@@ -50,8 +50,8 @@ def test_loss_scaler_follows_torch_grad_scaler() -> None:
 def test_an_overflowing_step_is_skipped_and_halves_the_scale(shards: Path, tmp_path: Path) -> None:
     trainer = pretrainer(tiny_config(shards, tmp_path, "--train.precision=fp16", "--train.loss_scale=1024",
                                      "--train.steps=4"))
-    head_dtypes = []
-    trainer.model.lm_head.register_forward_hook(lambda m, i, out: head_dtypes.append(out.dtype))
+    matmul_dtypes = []
+    trainer.model.layers[-1].mlp.down_proj.register_forward_hook(lambda m, i, out: matmul_dtypes.append(out.dtype))
     poison = trainer.model.layers[0].mlp.down_proj.weight
     poison.register_hook(lambda g: g * float("inf") if trainer.step == 1 else g)  # in step 2 only
     trainer.train_step()
@@ -69,7 +69,7 @@ def test_an_overflowing_step_is_skipped_and_halves_the_scale(shards: Path, tmp_p
     after = trainer.train_step()
     assert after["loss_scale"] == 512 and after["skipped_steps"] == 1
     assert torch.isfinite(torch.tensor(after["grad_norm"]))
-    assert head_dtypes[0] == torch.float16  # autocast ran the matmuls in fp16
+    assert matmul_dtypes[0] == torch.float16  # autocast ran the matmuls in fp16
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())  # fp32 master weights
 
 

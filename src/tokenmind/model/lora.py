@@ -122,6 +122,55 @@ class LoRAAdapter(nn.Module):
         return self.lora_B[name].float() @ self.lora_A[name].float() * self.scale
 
 
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    device = t.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else t.dtype
+
+
+class _FrozenLinearWithLoRA(torch.autograd.Function):
+    """y = x·Wᵀ + b, plus scale·(x·A_sᵀ)·B_sᵀ added in place into each adapted output slice s,
+    for a frozen float base (W, b get no gradient). As one autograd node it keeps only x and the
+    small x·Aᵀ for backward, computes no gradient of W, and writes the updates straight into the
+    base's output: no per-slice split/cat copies, no (tokens × out) scale multiply."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: float,
+                slices: list[tuple[int, int]], *pairs: torch.Tensor) -> torch.Tensor:
+        dtype = _compute_dtype(x)  # the autocast dtype (as nn.Linear would run), else x's
+        flat = x.reshape(-1, x.shape[-1]).to(dtype)
+        w = weight.to(dtype)
+        y = flat @ w.t() if bias is None else torch.addmm(bias.to(dtype), flat, w.t())
+        a = torch.cat(pairs[0::2]).to(dtype)  # every slice's A stacked: one matmul for all of them
+        u = (flat @ a.t()).mul_(scale)
+        rank = pairs[0].shape[0]
+        for i, (offset, size) in enumerate(slices):
+            y[:, offset:offset + size].addmm_(u[:, i * rank:(i + 1) * rank], pairs[2 * i + 1].to(dtype).t())
+        ctx.save_for_backward(flat, weight, u, *pairs)
+        ctx.scale, ctx.slices, ctx.dtype, ctx.x_shape, ctx.x_dtype = scale, slices, dtype, x.shape, x.dtype
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        flat, weight, u, *pairs = ctx.saved_tensors
+        dtype, rank = ctx.dtype, pairs[0].shape[0]
+        dy = grad_y.reshape(-1, grad_y.shape[-1]).to(dtype)
+        du = torch.empty_like(u)
+        grads: list[torch.Tensor | None] = [None] * len(pairs)
+        for i, (offset, size) in enumerate(ctx.slices):
+            dy_s, u_s = dy[:, offset:offset + size], u[:, i * rank:(i + 1) * rank]
+            b = pairs[2 * i + 1]
+            grads[2 * i + 1] = (dy_s.t() @ u_s).to(b.dtype)
+            du[:, i * rank:(i + 1) * rank] = dy_s @ b.to(dtype)
+        du.mul_(ctx.scale)
+        a = torch.cat(pairs[0::2]).to(dtype)
+        for i, grad_a in enumerate((du.t() @ flat).split(rank)):
+            grads[2 * i] = grad_a.to(pairs[2 * i].dtype)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.addmm(du @ a, dy, weight.to(dtype)).to(ctx.x_dtype).reshape(ctx.x_shape)
+        return dx, None, None, None, None, *grads
+
+
 class LoRALinear(nn.Module):
     """A frozen linear layer plus named adapters; see the module docstring for routing."""
 
@@ -151,9 +200,30 @@ class LoRALinear(nn.Module):
                 parts[i] = parts[i] + deltas[name]
         return torch.cat(parts, dim=-1)
 
+    def _fused(self, x: torch.Tensor, adapter: LoRAAdapter) -> torch.Tensor | None:
+        """The base's output with `adapter`'s updates as one autograd node, where that is the
+        same math: a frozen float base, and no dropout drawn on the adapter's input; else None."""
+        base = self.base
+        if type(base) is not nn.Linear or base.weight.requires_grad or (base.bias is not None and
+                                                                        base.bias.requires_grad):
+            return None
+        if adapter.cfg.dropout and adapter.training:
+            return None
+        slices, pairs, offset = [], [], 0
+        for name, size in zip(self.slice_names, self.slice_sizes):
+            if name in adapter.lora_A:
+                slices.append((offset, size))
+                pairs += [adapter.lora_A[name], adapter.lora_B[name]]
+            offset += size
+        return _FrozenLinearWithLoRA.apply(x, base.weight, base.bias, adapter.scale, slices, *pairs)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
         r = self.routing
+        if r.groups is None and r.active is not None and r.active in self.adapters:
+            y = self._fused(x, self.adapters[r.active])
+            if y is not None:
+                return y
+        y = self.base(x)
         if r.groups is None:
             if r.active is None or r.active not in self.adapters:
                 return y

@@ -32,7 +32,9 @@ from torch import nn
 
 from tokenmind.data.loader import IGNORE_INDEX, TokenBatch
 from tokenmind.model.attention import DenseAttentionMetadata
-from tokenmind.model.transformer import MTPLayer, mtp_chain_valid, router_aux_loss
+from tokenmind.model.transformer import MTPLayer, Transformer, mtp_chain_valid, router_aux_loss
+
+from .losses import linear_cross_entropy
 
 
 @dataclass
@@ -77,14 +79,26 @@ def autocast(device: torch.device, precision: str):
     return torch.autocast(device.type, dtype=dtype, enabled=precision != "fp32")
 
 
-def token_loss(model: nn.Module, input_ids: torch.Tensor, targets: torch.Tensor, document_ids: torch.Tensor,
+def fuses_output_layer(model: nn.Module) -> bool:
+    """Whether `token_loss` computes the loss through the output layer chunk by chunk
+    (`losses.linear_cross_entropy`): for a plain `Transformer` with a plain `nn.Linear` head. A
+    wrapped model (DDP, FSDP, a pipeline stage) or a replaced head (FP8) must run its own forward."""
+    return type(model) is Transformer and type(model.lm_head) is nn.Linear and model.lm_head.bias is None
+
+
+def token_loss(model: nn.Module, input_ids: torch.Tensor, targets: torch.Tensor, document_ids: torch.Tensor | None,
                positions: torch.Tensor, precision: str, mtp: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Cross-entropy of `targets` given `input_ids`, summed over the targets that are not
     IGNORE_INDEX, attention kept within each packed document; all (B, T). The logits are upcast
-    so the softmax and loss are computed in fp32. With `mtp`, also the model's multi-token
+    so the softmax and loss are computed in fp32; a plain `Transformer`'s are never held whole
+    (`fuses_output_layer`), and none at ignored positions. With `mtp`, also the model's multi-token
     prediction loss (`mtp_loss`, summed too); else None."""
     attn, depths = DenseAttentionMetadata(document_ids=document_ids), None
     with autocast(input_ids.device, precision):
+        if not mtp and fuses_output_layer(model):
+            hidden = model.hidden_states(input_ids, positions, attn)
+            return linear_cross_entropy(hidden, model.lm_head.weight, targets, IGNORE_INDEX,
+                                        model.cfg.final_logit_softcapping), None
         if mtp:
             logits, depths = model(input_ids, positions, attn, mtp=True)
         else:
@@ -130,7 +144,10 @@ class NextTokenObjective:
 
     def __call__(self, model: nn.Module, batch: TokenBatch, precision: str) -> LossTerms:
         mtp_layers = [m for m in model.modules() if isinstance(m, MTPLayer)]
-        loss, mtp = self.loss_fn(model, batch.input_ids, batch.targets, batch.document_ids, batch.positions, precision,
+        docs = batch.document_ids
+        if not mtp_layers and bool((docs == docs[:, :1]).all()):  # decided here, outside a compiled loss_fn,
+            docs = None  # so one document per row runs SDPA's causal kernel instead of a (T, T) mask
+        loss, mtp = self.loss_fn(model, batch.input_ids, batch.targets, docs, batch.positions, precision,
                                  bool(mtp_layers))
         count = (batch.targets != IGNORE_INDEX).sum()
         metrics = {}

@@ -165,7 +165,12 @@ def build_optimizer(model: nn.Module, cfg: OptimSection, keep_empty_groups: bool
             dict(params=select("matrix", "head"), weight_decay=cfg.weight_decay),
             dict(params=select("embedding", "vector"), weight_decay=0.0),
         ]
-        return torch.optim.AdamW([g for g in groups if g["params"] or keep_empty_groups], **adam)
+        trained = [p for g in groups for p in g["params"]]
+        # one fused kernel over all tensors instead of a Python loop of small ops per tensor (LoRA
+        # trains hundreds of small ones); the same update. Sharded (DTensor) parameters keep the loop.
+        fused = bool(trained) and all(not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda")
+                                      and p.dtype in (torch.float32, torch.bfloat16, torch.float16) for p in trained)
+        return torch.optim.AdamW([g for g in groups if g["params"] or keep_empty_groups], **adam, fused=fused or None)
     groups = [
         dict(params=select("head"), weight_decay=cfg.weight_decay, use_muon=False, **adam),
         dict(params=select("embedding", "vector"), weight_decay=0.0, use_muon=False, **adam),
