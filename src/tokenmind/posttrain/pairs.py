@@ -25,6 +25,7 @@ reported for the model.
 
 from __future__ import annotations
 
+import itertools
 import random
 import re
 import warnings
@@ -134,16 +135,23 @@ def mc_pairs(records: Iterable[dict[str, Any]], seed: int = 0, source: str = "mc
     return out
 
 
-def multistep_pairs(count: int, seed: int = 0, min_steps: int = 2, max_steps: int = 4) -> list[dict[str, Any]]:
+def multistep_pairs(count: int, seed: int = 0, min_steps: int = 2, max_steps: int = 4,
+                    exclude: Iterable[str] = ()) -> list[dict[str, Any]]:
     """A pair per multi-step arithmetic problem: the correct solution against one with a wrong step
-    (uniform over the steps) carried through to a wrong answer."""
-    out = []
-    for i in range(count):
+    (uniform over the steps) carried through to a wrong answer; each records its `expression`.
+
+    exclude: expressions of evaluation problems. Small random expressions repeat (two-step ones
+    from different seeds collide), so a problem in `exclude` is skipped and the next one drawn."""
+    banned, out = set(exclude), []
+    for i in itertools.count():
+        if len(out) == count:
+            break
         rng = random.Random(f"multistep-pairs/{seed}/{i}")
         problem = multistep_problem(rng.randrange(2**32), rng.randint(min_steps, max_steps))
-        wrong, _ = corrupt_solution(problem, rng.randrange(len(problem.operations)), rng.randrange(2**32))
-        out.append(preference_pair(problem.question, problem.solution(), wrong, id=f"multistep/{seed}/{i}",
-                                   source="multistep"))
+        if problem.expression not in banned:
+            wrong, _ = corrupt_solution(problem, rng.randrange(len(problem.operations)), rng.randrange(2**32))
+            out.append(preference_pair(problem.question, problem.solution(), wrong, id=f"multistep/{seed}/{i}",
+                                       source="multistep", expression=problem.expression))
     return out
 
 
