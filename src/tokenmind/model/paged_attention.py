@@ -125,7 +125,7 @@ class PagedAttentionMetadata:
         if window not in self._decode:
             self._decode[window] = DecodeBatch.build(self, block_size, window)
         batch = self._decode[window]
-        return batch if batch.rows.numel() else None
+        return batch if batch.count else None
 
 
 @dataclass
@@ -133,7 +133,8 @@ class DecodeBatch:
     """Which rows of the step are single-token (decode) sequences, the blocks they read, and the
     key-padding mask (None when every sequence has the same length)."""
 
-    rows: torch.Tensor  # (S,) positions of their tokens in the flattened step
+    count: int  # how many sequences decode
+    rows: torch.Tensor | None  # (count,) positions of their tokens in the flattened step; None: all of it
     block_tables: torch.Tensor  # (S, blocks covering the longest)
     longest: int
     mask: torch.Tensor | None  # (S, 1, 1, longest) bool, True = attend
@@ -155,24 +156,30 @@ class DecodeBatch:
 
     @classmethod
     def build(cls, meta: PagedAttentionMetadata, block_size: int, window: int | None) -> DecodeBatch:
+        """Which sequences decode, from the step's Python lists. The key-padding mask is made only when
+        some key must be hidden (ragged lengths, a window shorter than the context, `first_key`), decided
+        from those lists too: no tensor comparison and no host sync in the common step."""
         starts, lens = meta.query_start_loc, meta.seq_lens
         device = meta.block_tables.device
         decode = [i for i in range(meta.num_seqs) if starts[i + 1] - starts[i] == 1]
-        rows = torch.tensor([starts[i] for i in decode], dtype=torch.int64, device=device)
         if not decode:
-            return cls(rows, meta.block_tables[:0], 0, None)
-        d_lens = torch.tensor([lens[i] for i in decode], device=device)
-        longest = max(lens[i] for i in decode)
-        tables = meta.block_tables[decode][:, : -(-longest // block_size)]
+            return cls(0, None, meta.block_tables[:0], 0, None)
+        d_lens = [lens[i] for i in decode]
+        longest = max(d_lens)
+        width = -(-longest // block_size)
+        every = len(decode) == meta.num_seqs
+        tables = meta.block_tables[:, :width] if every else meta.block_tables[decode][:, :width]
         run = meta.run_start(decode[0], block_size) if len(decode) == 1 else None
-        k_pos = torch.arange(longest, device=device)[None, :]
-        allowed = k_pos < d_lens[:, None]
-        if meta.first_key:
-            allowed = allowed & (k_pos >= meta.first_key)
-        if window is not None:
-            allowed = allowed & (d_lens[:, None] - 1 - k_pos < window)
-        mask = None if bool(allowed.all()) else allowed[:, None, None, :]
-        return cls(rows, tables, longest, mask, run)
+        mask = None
+        if min(d_lens) < longest or meta.first_key or (window is not None and longest > window):
+            k_pos = torch.arange(longest, device=device)[None, :]
+            d_lens_t = torch.tensor(d_lens, device=device)[:, None]
+            allowed = (k_pos < d_lens_t) & (k_pos >= meta.first_key)
+            if window is not None:
+                allowed = allowed & (d_lens_t - 1 - k_pos < window)
+            mask = allowed[:, None, None, :]
+        rows = None if every else torch.tensor([starts[i] for i in decode], device=device)
+        return cls(len(decode), rows, tables, longest, mask, run)
 
 
 def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -208,7 +215,7 @@ def _causal_mask(q_len: int, k_len: int, window: int | None, device, first_key: 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, layer: int,
                     meta: PagedAttentionMetadata, window: int | None, attend: Callable) -> torch.Tensor:
-    """q (N, H, D), k/v (N, H_kv, D | D_v) for the new tokens → attention output (N, H, D_v).
+    """q (1, N, H, D), k/v (1, N, H_kv, D | D_v) for the new tokens → attention output (1, N, H, D_v).
 
     `attend(q, k, v, mask, causal)` is the layer's kernel on (B, H, T, D) tensors
     (`attention.scaled_dot_product`), so soft-capping and GQA behave exactly as in the dense path.
@@ -216,18 +223,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
     verification) one sequence at a time. Masks are built once per step, and a sequence whose
     blocks are consecutive is read through a view of the pool instead of a gathered copy.
     """
-    k_cache, v_cache = cache.k[layer], cache.v[layer]
-    cache.write(layer, meta.slot_mapping, k, v)
-
+    cache.write(layer, meta.slot_mapping, k[0], v[0])
     starts, lens = meta.query_start_loc, meta.seq_lens
     dec = meta.decode_batch(cache.block_size, window)
     if dec is not None:
         keys, vals = dec.keys_values(cache, layer)  # (S, H_kv, L, D)
-        if dec.rows.numel() == q.shape[0]:  # an all-decode step: no scatter into a bigger output
-            return attend(q[:, :, None], keys, vals, dec.mask, False)[:, :, 0]
+        if dec.rows is None:  # an all-decode step: no scatter into a bigger output; (1, N) ↔ (N, 1) is a permute
+            return attend(q.permute(1, 2, 0, 3), keys, vals, dec.mask, False).permute(2, 0, 1, 3)
+    q = q[0]
     out = q.new_empty(*q.shape[:2], v.shape[-1])  # values may be narrower than keys (latent attention)
     if dec is not None:
         out[dec.rows] = attend(q[dec.rows][:, :, None], keys, vals, dec.mask, False)[:, :, 0]
+    k_cache, v_cache = cache.k[layer], cache.v[layer]
     for i in range(meta.num_seqs):
         a, b = starts[i], starts[i + 1]
         if b - a == 1:
@@ -237,4 +244,4 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
         vals = _gather(v_cache, meta.block_tables[i], lens[i], run)[None]
         out[a:b] = attend(q[a:b].transpose(0, 1)[None], keys, vals, meta.causal_mask(i, window), False)[0] \
             .transpose(0, 1)
-    return out
+    return out[None]

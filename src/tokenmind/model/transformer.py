@@ -210,7 +210,8 @@ class Experts(nn.Module):
         """x (1, d): the k experts' outputs (k, d), summed by one (1, k) @ (k, d). At one row the
         grouped path's sort, count, gather and scatter, and grouped_mm's pass over every expert,
         cost more than the chosen experts' matmuls (same sizes: 162 µs a layer, 238 with grouped_mm)."""
-        return weight.to(x.dtype) @ torch.cat([self.expert(e, x) for e in expert[0].tolist()])
+        outputs = torch.cat([self.expert(e, x) for e in expert[0].tolist()])
+        return (weight if weight.dtype == x.dtype else weight.to(x.dtype)) @ outputs
 
     def run_grouped(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """rows (N·k, d) grouped by expert, counts[e] of them for expert e → each row's expert
@@ -250,7 +251,8 @@ class Router(nn.Linear):
         """(N, E) router logits → each token's expert weights and expert ids, both (N, k)."""
         if self.normalize and not self.sigmoid and self.method == "greedy":  # Mixtral: the top k's softmax
             top, expert = torch.topk(logits.float(), self.top_k, dim=-1)  # probabilities renormalised are
-            return top.softmax(dim=-1) * self.scaling, expert  # the softmax of their logits: fewer ops
+            weight = top.softmax(dim=-1)  # the softmax of their logits: fewer ops
+            return weight * self.scaling if self.scaling != 1.0 else weight, expert
         scores = logits.float().sigmoid() if self.sigmoid else logits.float().softmax(dim=-1)
         choice = scores + self.e_score_correction_bias if self.method == "noaux_tc" else scores
         if self.method != "greedy" and self.n_group > 1:
