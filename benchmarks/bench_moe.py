@@ -12,7 +12,9 @@ caching off so repeats cannot reuse a prompt); transformers through `generate` w
 Both fp32 and greedy, on the same `--batch`-many prompts of `--prompt-len` random tokens, `--new-tokens`
 each, at batch 1 (the first prompt) and at `--batch`. decode_tok_s = generated tokens / wall time of
 the whole generate call (the short prompt's prefill included). `same_tokens`: whether the two
-sides' greedy tokens agree. flops_per_token is a token's forward FLOPs counting only its top-k
+sides' greedy tokens agree. `aten_calls_per_step`: how many ATen operators one decode step of
+tokenmind's engine dispatches (counted with a dispatch mode, so independent of the machine's load:
+per-op dispatch is what a batch-1 step of a model this small spends most of its time on). flops_per_token is a token's forward FLOPs counting only its top-k
 experts (2 × active matmul parameters + attention at the mean context: `train.metrics.flops_per_token`
 / 3), and gflop_s = flops_per_token × decode_tok_s. Repeats alternate sides; medians. Prints JSON.
 
@@ -78,6 +80,28 @@ def tokenmind_generate(engine, prompts: list[list[int]], n: int) -> list[list[in
     return [finals[i] for i in ids]
 
 
+def aten_calls_per_step(engine, prompts: list[list[int]]) -> int:
+    """ATen operators dispatched by one engine step in which every prompt decodes one token."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tokenmind.engine.sampling import SamplingParams
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    ids = [engine.add_request(p, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)) for p in prompts]
+    engine.step()  # the prompts
+    with Count():
+        engine.step()
+    for request_id in ids:
+        engine.abort(request_id)
+    return Count.calls
+
+
 def hf_generate(hf, prompts: list[list[int]], n: int) -> list[list[int]]:
     ids = torch.tensor(prompts)
     with torch.inference_mode():
@@ -119,6 +143,7 @@ def bench_config(kind: str, args, work: Path) -> dict:
             "gflop_s": {side: round(rate * flops / 1e9, 2) for side, rate in rates.items()},
             "ratio_vs_transformers": round(rates["tokenmind"] / rates["transformers"], 2),
             "same_tokens": tokens["tokenmind"] == tokens["transformers"],
+            "aten_calls_per_step": aten_calls_per_step(engine, prompts[:batch]),
         }
     return result
 

@@ -24,4 +24,5 @@ def test_bench_moe_tiny(tmp_path, monkeypatch):
             assert r[batch]["same_tokens"]  # same weights, greedy: the two sides agree token for token
             assert all(v > 0 for v in r[batch]["decode_tok_s"].values()) and r[batch]["ratio_vs_transformers"] > 0
             assert r[batch]["gflop_s"]["tokenmind"] > 0
+            assert r[batch]["aten_calls_per_step"] > 10  # a layer's matmuls, norms and attention at least
     assert result["qwen2_moe"]["config"]["shared_expert_intermediate_size"] == 64
