@@ -1,16 +1,33 @@
-"""Does DPO on verifier-built pairs make SmolLM2-135M better at the task? Before/after, with standard errors.
+"""Does SFT → DPO on verifier-built pairs make SmolLM2-135M better at the task? Each stage, with standard errors.
 
-Pairs: `posttrain.pairs.multistep_pairs`, a correct step-by-step arithmetic solution (chosen) against
-one with a wrong step carried to a wrong answer (rejected); training, held-out and task problems come
-from different seeds. Measured before and after DPO (LoRA rank 16 on every projection):
+Data (`posttrain.pairs.multistep_pairs`): multi-step arithmetic problems, a correct step-by-step
+solution (chosen) against one with a wrong step carried to a wrong answer (rejected). The task
+problems (`multistep_items`, seed 2) and the held-out pairs (seed 1) are the evaluation; training
+pairs (seed 0) are drawn with every evaluation expression excluded, and the script refuses to run
+if any training expression is an evaluation one (small expressions do repeat across seeds).
 
-* held-out preference accuracy: the share of held-out pairs whose chosen solution the model gives
-  a higher log-probability than the rejected one (for the DPO model this is its implicit-reward
-  accuracy up to the reference's own preference, which is also reported);
-* task accuracy: greedy answers to held-out problems (the same prompt format), scored by
-  `numeric_reward` (final answer right) and `multistep_reward` = 1 (every step right).
+Stages, each through the CLI's own config loaders (the JSON records the equivalent commands):
 
-    python benchmarks/quality_dpo.py [--train 480] [--heldout 200] [--tasks 100] [--steps 60] [--out quality_dpo.json]
+* base: SmolLM2-135M-Instruct as it is;
+* sft: `tokenmind sft` with LoRA r16 on the chosen solutions of the training pairs (the base
+  ignores the step format, so DPO alone has little to move: 0.01 → 0.03 final-answer accuracy);
+* dpo: `tokenmind posttrain dpo` from the SFT model (which is also the reference), LoRA r16.
+
+Measured on the same items:
+
+* task accuracy, every stage: greedy answers to the held-out problems, scored by `numeric_reward`
+  (final answer right) and `multistep_reward` = 1 (every step right), with the binomial standard
+  error, and the paired standard error of each stage's gain over the previous one;
+* held-out pairs, SFT and DPO models (scoring them is a forward pass per pair, which the shared
+  2-core CPU cannot spare for the base too): preference accuracy, the share whose chosen solution
+  gets the higher log-probability, and DPO's implicit-reward accuracy against its reference (the
+  SFT model), the share where log π/π_ref is higher for chosen than rejected; DPO's own val split
+  (`val_reward_accuracy`) is reported too.
+
+A stage's results are kept in --work, so the pipeline can run in pieces (`--stage sft`, then
+`dpo`, and `base`; each trains if its run is missing, then evaluates); every call prints all done.
+
+    python benchmarks/quality_dpo.py --work runs/quality_dpo [--stage all] [--tasks 100] [--heldout 100]
 """
 
 from __future__ import annotations
@@ -19,112 +36,206 @@ import argparse
 import json
 import math
 import os
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 from _common import emit, machine_info
 
+STAGES = ("base", "sft", "dpo")
+SETTINGS = ("train", "heldout", "tasks", "max_tokens", "sft_steps", "sft_lr", "sft_seq", "steps", "lr", "seq")
+
 
 def stderr(p: float, n: int) -> float:
     return math.sqrt(max(p * (1 - p), 1e-12) / n)
 
 
-@torch.no_grad()
-def preference_accuracy(model, pairs_file: Path, seq_len: int) -> tuple[float, int]:
-    """Share of pairs whose chosen completion gets the higher summed log-prob."""
-    from tokenmind.data.loader import LoaderConfig
-    from tokenmind.posttrain.preference import sequence_logps
-    from tokenmind.posttrain.preference_data import UnitLoader, prepare_preferences, read_preferences
+def mean_and_stderr(values: list[float]) -> tuple[float, float]:
+    """Mean and standard error of the mean (sample standard deviation / √n)."""
+    n = len(values)
+    mean = sum(values) / n
+    var = sum((v - mean) ** 2 for v in values) / max(n - 1, 1)
+    return mean, math.sqrt(var / n)
+
+
+def build_data(args: argparse.Namespace, work: Path) -> dict:
+    """Writes train pairs, held-out pairs and SFT chats to `work`; returns the task items and counts."""
+    from tokenmind.jsonl import write_jsonl
+    from tokenmind.posttrain.pairs import multistep_pairs
+    from tokenmind.posttrain.tasks import multistep_items
+
+    items = multistep_items(args.tasks, seed=2)
+    heldout = multistep_pairs(args.heldout, seed=1)
+    evaluation = {it["expression"] for it in items} | {p["expression"] for p in heldout}
+    unfiltered = {p["expression"] for p in multistep_pairs(args.train, seed=0)}
+    train = multistep_pairs(args.train, seed=0, exclude=evaluation)
+    leaked = {p["expression"] for p in train} & evaluation
+    if leaked:
+        raise RuntimeError(f"training pairs contain evaluation problems: {sorted(leaked)[:3]}")
+    strip = ("prompt", "chosen", "rejected")
+    write_jsonl(work / "train.jsonl", [{k: p[k] for k in strip} for p in train])
+    write_jsonl(work / "heldout.jsonl", [{k: p[k] for k in strip} for p in heldout])
+    write_jsonl(work / "sft.jsonl", [{"messages": p["prompt"] + p["chosen"]} for p in train])
+    return {"items": items, "counts": {
+        "train_pairs": len(train), "sft_chats": len(train), "heldout_pairs": len(heldout), "task_problems": len(items),
+        "decontamination": {"evaluation_expressions": len(evaluation),
+                            "unfiltered_train_expressions_in_evaluation": len(unfiltered & evaluation),
+                            "train_expressions_in_evaluation": len(leaked)}}}
+
+
+def pair_logps(model, pairs_file: Path, seq_len: int) -> list[tuple[float, float]]:
+    """(chosen, rejected) summed completion log-probs of every pair in the file, in file order."""
+    from tokenmind.posttrain.preference import compute_reference_logps
+    from tokenmind.posttrain.preference_data import prepare_preferences, read_preferences
 
     kind, records = read_preferences([pairs_file])
     units = prepare_preferences(model.tokenizer, kind, records, seq_len // 2).train
-    loader = UnitLoader(units, LoaderConfig(batch_size=4, seq_len=seq_len, shuffle=False))
-    wins = 0
-    for begin in range(0, len(loader.rows), 4):
-        batch = loader.batch_for_rows(range(begin, min(begin + 4, len(loader.rows))))
-        logps = sequence_logps(model.model.eval(), batch, "bf16")
-        wins += int((logps[batch.members[:, 0]] > logps[batch.members[:, 1]]).sum())
-    return wins / len(units), len(units)
+    compute_reference_logps(model.model, units, seq_len, 1, "fp32", torch.device("cpu"), progress=False)
+    return [(float(u.ref_logps[0]), float(u.ref_logps[1])) for u in units]
 
 
-def task_accuracy(model, items: list[dict]) -> dict:
+def task_outcomes(model, items: list[dict], max_tokens: int) -> dict:
+    """Per-item greedy scores (final answer right, every step right) and one example reply."""
     from tokenmind.engine.llm import LLM
     from tokenmind.engine.sampling import SamplingParams
     from tokenmind.posttrain.tasks import multistep_reward, numeric_reward
 
     llm = LLM(model, max_num_seqs=len(items))
     ids = [model.tokenizer.apply_chat_template(it["prompt"], add_generation_prompt=True) for it in items]
-    outs = llm.generate(ids, SamplingParams(max_tokens=160, temperature=0.0), progress=False)
+    outs = llm.generate(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0), progress=False)
     texts = [o.outputs[0].text for o in outs]
-    answer = sum(numeric_reward(it["prompt"], t, answer=it["answer"]) for it, t in zip(items, texts)) / len(items)
-    steps = sum(multistep_reward(it["prompt"], t, expression=it["expression"]) == 1.0
-                for it, t in zip(items, texts)) / len(items)
-    return {"answer_accuracy": answer, "answer_stderr": stderr(answer, len(items)), "all_steps_right": steps,
-            "all_steps_stderr": stderr(steps, len(items)), "n": len(items), "example": texts[0][:300]}
+    return {"answer_right": [numeric_reward(it["prompt"], t, answer=it["answer"]) for it, t in zip(items, texts)],
+            "steps_right": [float(multistep_reward(it["prompt"], t, expression=it["expression"]) == 1.0)
+                            for it, t in zip(items, texts)],
+            "example": texts[0][:300]}
 
 
-def run(args: argparse.Namespace) -> dict:
-    from tokenmind.jsonl import write_jsonl
+def evaluate(model_ref: str | Path, items: list[dict], work: Path, args: argparse.Namespace, pairs: bool) -> dict:
+    """Task outcomes and, with `pairs`, the held-out pairs' log-probs."""
     from tokenmind.model.load import load_model
-    from tokenmind.posttrain.pairs import multistep_pairs
-    from tokenmind.posttrain.preference import load_preference_config, preference_train
-    from tokenmind.posttrain.tasks import multistep_items
 
-    load_start = os.getloadavg()
-    root = Path(tempfile.mkdtemp())
-    strip = ("prompt", "chosen", "rejected")
-    train_file, heldout_file = root / "train.jsonl", root / "heldout.jsonl"
-    write_jsonl(train_file, [{k: r[k] for k in strip} for r in multistep_pairs(args.train, seed=0)])
-    write_jsonl(heldout_file, [{k: r[k] for k in strip} for r in multistep_pairs(args.heldout, seed=1)])
-    items = multistep_items(args.tasks, seed=2)
-
-    base = load_model("smollm2", dtype="bfloat16")
-    before = {"preference_accuracy": preference_accuracy(base, heldout_file, args.seq)[0],
-              **task_accuracy(base, items)}
-    del base
-
-    cfg = load_preference_config(None, [
-        "--preference.init_from=smollm2", f"--data.files={train_file}", "--data.batch_size=2",
-        f"--data.seq_len={args.seq}", "--data.val_fraction=0.1", "--lora.rank=16", "--lora.alpha=32",
-        "--lora.dropout=0", f"--optim.lr={args.lr}", "--schedule.name=cosine", "--schedule.warmup_steps=5",
-        f"--train.steps={args.steps}", "--train.precision=bf16", "--train.compile=true", "--train.eval_every=0",
-        f"--train.out_dir={root / 'dpo'}"])
     started = time.perf_counter()
-    result = preference_train(cfg)
-    train_s = time.perf_counter() - started
-    metrics = [json.loads(line) for line in open(result.metrics_path)]
-    val = [m for m in metrics if "val_reward_accuracy" in m][-1]
+    model = load_model(model_ref, dtype="float32")
+    result = task_outcomes(model, items, args.max_tokens)
+    if pairs:
+        result["pair_logps"] = pair_logps(model, work / "heldout.jsonl", args.seq)
+    result["eval_seconds"] = round(time.perf_counter() - started, 1)
+    return result
 
-    tuned = load_model(root / "dpo", dtype="bfloat16")  # base + adapter, merged
-    after = {"preference_accuracy": preference_accuracy(tuned, heldout_file, args.seq)[0],
-             **task_accuracy(tuned, items)}
-    n_pairs = args.heldout
-    for side in (before, after):
-        side["preference_stderr"] = stderr(side["preference_accuracy"], n_pairs)
-    return {
-        "benchmark": "dpo_quality", "model": "SmolLM2-135M-Instruct", "method": "DPO, LoRA r16 on all projections",
-        "beta": 0.1, "lr": args.lr, "steps": args.steps, "train_pairs": args.train, "heldout_pairs": n_pairs,
-        "train_seconds": round(train_s, 1), "final_loss": result.final_loss,
-        "val_reward_accuracy": val["val_reward_accuracy"], "val_reward_margin": val["val_reward_margin"],
-        "before": before, "after": after,
-        "machine": machine_info(loadavg_start=[round(x, 2) for x in load_start],
-                                loadavg_end=[round(x, 2) for x in os.getloadavg()]),
-    }
+
+def sft_overrides(args: argparse.Namespace, work: Path) -> list[str]:
+    return ["--sft.init_from=smollm2", f"--data.files={work / 'sft.jsonl'}", "--data.batch_size=2",
+            f"--data.seq_len={args.sft_seq}", "--data.val_fraction=0", "--lora.rank=16", "--lora.alpha=32",
+            "--lora.dropout=0", f"--optim.lr={args.sft_lr}", "--schedule.name=cosine", "--schedule.warmup_steps=3",
+            f"--train.steps={args.sft_steps}", "--train.precision=auto", "--train.eval_every=0",
+            "--train.checkpoint_every=5", f"--train.out_dir={work / 'sft'}"]
+
+
+def dpo_overrides(args: argparse.Namespace, work: Path) -> list[str]:
+    return [f"--preference.init_from={work / 'sft'}", f"--data.files={work / 'train.jsonl'}", "--data.batch_size=2",
+            f"--data.seq_len={args.seq}", "--data.val_fraction=0.1", "--lora.rank=16", "--lora.alpha=32",
+            "--lora.dropout=0", f"--optim.lr={args.lr}", "--schedule.name=cosine", "--schedule.warmup_steps=3",
+            f"--train.steps={args.steps}", "--train.precision=auto", "--train.eval_every=0",
+            "--train.checkpoint_every=5", f"--train.out_dir={work / 'dpo'}"]
+
+
+def train_stage(stage: str, args: argparse.Namespace, work: Path) -> dict:
+    """Runs (or resumes) the stage's training; its command, seconds and final metrics."""
+    from tokenmind.posttrain.preference import load_preference_config, preference_train
+    from tokenmind.posttrain.sft import load_sft_config, sft
+
+    overrides = sft_overrides(args, work) if stage == "sft" else dpo_overrides(args, work)
+    started = time.perf_counter()
+    if stage == "sft":
+        result, command = sft(load_sft_config(None, overrides)), "tokenmind sft"
+    else:
+        result, command = preference_train(load_preference_config(None, overrides, {"preference.loss": "dpo"})), \
+            "tokenmind posttrain dpo"
+    info = {"command": " ".join([command, *overrides]), "train_seconds": round(time.perf_counter() - started, 1),
+            "final_loss": result.final_loss, "steps": result.steps}
+    if stage == "dpo":
+        metrics = [json.loads(line) for line in open(result.metrics_path)]
+        val = [m for m in metrics if "val_reward_accuracy" in m][-1]
+        info.update(val_reward_accuracy=val["val_reward_accuracy"], val_reward_margin=val["val_reward_margin"])
+    return info
+
+
+def run_stage(stage: str, args: argparse.Namespace, work: Path, items: list[dict]) -> dict:
+    load_start = [round(x, 2) for x in os.getloadavg()]
+    info = {} if stage == "base" else train_stage(stage, args, work)
+    # held-out pairs score the SFT model (DPO's reference) and the DPO model: what implicit rewards need
+    info.update(evaluate("smollm2" if stage == "base" else work / stage, items, work, args, pairs=stage != "base"))
+    info["loadavg"] = [load_start, [round(x, 2) for x in os.getloadavg()]]
+    return info
+
+
+def summarize(results: dict, counts: dict) -> dict:
+    """Accuracies with standard errors per stage, paired gains, and implicit-reward accuracies."""
+    out, previous = {}, None
+    for stage in [s for s in STAGES if s in results]:
+        r, n = results[stage], len(results[stage]["answer_right"])
+        row = {"n": n}
+        for key in ("answer_right", "steps_right"):
+            p = sum(r[key]) / n
+            row[key.replace("_right", "_accuracy")] = round(p, 4)
+            row[key.replace("_right", "_stderr")] = round(stderr(p, n), 4)
+        row["example"] = r["example"]
+        ref = results.get(previous, {})
+        for key in ("answer_right", "steps_right"):
+            if key in ref:
+                gain, se = mean_and_stderr([a - b for a, b in zip(r[key], ref[key])])
+                row[f"{key.replace('_right', '')}_gain_vs_{previous}"] = {"gain": round(gain, 4),
+                                                                          "paired_stderr": round(se, 4)}
+        if "pair_logps" in r:
+            pairs = r["pair_logps"]
+            pref = sum(c > rej for c, rej in pairs) / len(pairs)
+            row.update(heldout_pairs=len(pairs), preference_accuracy=round(pref, 4),
+                       preference_stderr=round(stderr(pref, len(pairs)), 4))
+        if "pair_logps" in r and "pair_logps" in ref:
+            wins = sum((c - rc) > (rej - rr) for (c, rej), (rc, rr) in zip(pairs, ref["pair_logps"])) / len(pairs)
+            row[f"heldout_implicit_reward_accuracy_vs_{previous}"] = round(wins, 4)
+            row["heldout_implicit_reward_stderr"] = round(stderr(wins, len(pairs)), 4)
+        for key in ("command", "train_seconds", "final_loss", "steps", "val_reward_accuracy", "val_reward_margin",
+                    "eval_seconds", "loadavg"):
+            if key in r:
+                row[key] = r[key]
+        out[stage], previous = row, stage
+    return {"benchmark": "dpo_quality", "model": "SmolLM2-135M-Instruct", "pipeline": "base -> SFT (LoRA r16) -> "
+            "DPO (LoRA r16, beta 0.1, reference = the SFT model)", "precision": "fp32", **counts, "stages": out}
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--train", type=int, default=480)
-    p.add_argument("--heldout", type=int, default=200)
-    p.add_argument("--tasks", type=int, default=100)
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--lr", type=float, default=5e-5)
-    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--work", default="runs/quality_dpo", help="data, runs and per-stage results")
+    p.add_argument("--stage", choices=[*STAGES, "all"], default="all", help="run this stage (and report all done)")
+    p.add_argument("--train", type=int, default=40, help="training pairs (their chosen answers are the SFT data)")
+    p.add_argument("--heldout", type=int, default=24)
+    p.add_argument("--tasks", type=int, default=80)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--sft-steps", type=int, default=10)
+    p.add_argument("--sft-lr", type=float, default=1e-3)
+    p.add_argument("--sft-seq", type=int, default=288, help="SFT row length (two chats fit)")
+    p.add_argument("--steps", type=int, default=8, help="DPO optimizer steps")
+    p.add_argument("--lr", type=float, default=5e-4, help="DPO learning rate (LoRA)")
+    p.add_argument("--seq", type=int, default=400, help="DPO row length: two pairs fit (a sequence may take half)")
     p.add_argument("--out")
     args = p.parse_args(argv)
-    result = run(args)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    state_path = work / "results.json"
+    settings = {k: getattr(args, k) for k in SETTINGS}
+    state = json.loads(state_path.read_text()) if state_path.is_file() else {"settings": settings, "results": {}}
+    if state["settings"] != settings:
+        raise SystemExit(f"{work} holds results for other settings {state['settings']}; pass another --work")
+    data = build_data(args, work)
+    for stage in STAGES if args.stage == "all" else (args.stage,):
+        if stage == "dpo" and "sft" not in state["results"]:
+            raise SystemExit("stage dpo starts from the SFT model; run --stage sft first")
+        if stage not in state["results"]:
+            state["results"][stage] = run_stage(stage, args, work, data["items"])
+            state_path.write_text(json.dumps(state) + "\n")
+    result = {**summarize(state["results"], data["counts"]), "settings": settings,
+              "machine": machine_info(note="AMD EPYC, 2 cores AVX2, shared with other jobs: see each stage's loadavg")}
     emit(result, args.out)
     return result
 
