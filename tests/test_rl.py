@@ -29,9 +29,11 @@ from tokenmind.posttrain.rewards import (
 )
 from tokenmind.posttrain.rl import (
     ALGORITHMS,
+    ROWS_PER_CHUNK,
     clipped_surrogate,
     gae,
     kl_k3,
+    sampled_logps,
     sequence_advantages,
     value_loss,
 )
@@ -93,6 +95,24 @@ def test_the_clip_stops_the_gradient_only_where_the_ratio_left_its_band() -> Non
     assert torch.allclose(loss[0], -torch.tensor(1.28))  # the clip-higher bound
     wide, _ = clipped_surrogate(logps, old, advantages, math.inf, math.inf)  # REINFORCE: no clip
     assert torch.allclose(wide, -torch.exp(logps - old) * advantages)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_logps_equal_the_log_softmax_and_its_gradient(temperature: float) -> None:
+    gen = torch.Generator().manual_seed(0)
+    rows = 2 * ROWS_PER_CHUNK + 5  # slices of rows, the last one short
+    logits = (3 * torch.randn(rows, 40, generator=gen)).requires_grad_()
+    targets = torch.randint(0, 40, (rows,), generator=gen)
+    weights = torch.randn(rows, generator=gen)
+    logps, entropy = sampled_logps(logits, targets, temperature)
+    (logps * weights).sum().backward()
+    fused_grad, logits.grad = logits.grad, None
+    log_p = torch.log_softmax(logits / temperature, dim=-1)
+    expected = log_p.gather(1, targets[:, None])[:, 0]
+    (expected * weights).sum().backward()
+    assert torch.allclose(logps, expected, atol=1e-5)
+    assert torch.allclose(entropy, -(log_p.exp() * log_p).sum(-1), atol=1e-4) and not entropy.requires_grad
+    assert torch.allclose(fused_grad, logits.grad, atol=1e-6)
 
 
 def test_value_loss_clips_around_the_old_value() -> None:

@@ -170,13 +170,57 @@ def policy_outputs(model: nn.Module, batch: SequenceBatch, precision: str, tempe
         hidden = model.hidden_states(batch.input_ids, batch.positions, attn).flatten(0, 1)[scored]
         logits = model.logits(hidden)
         values = model.value_head(hidden).squeeze(-1).float() if with_values else None
-    logits = logits.float() / temperature
-    normalizer = torch.logsumexp(logits, dim=-1)  # no (N, vocab) log-softmax kept for backward
-    logps = logits.gather(-1, batch.targets.flatten()[scored][:, None]).squeeze(1) - normalizer
-    with torch.no_grad():  # H = log Z − Σ p·z, a slice of rows at a time
-        entropy = torch.cat([lse - (torch.exp(z - lse[:, None]) * z).sum(-1)
-                             for z, lse in zip(logits.split(1024), normalizer.split(1024))])
+    logps, entropy = sampled_logps(logits.float(), batch.targets.flatten()[scored], temperature)
     return logps, entropy, values
+
+
+ROWS_PER_CHUNK = 256  # rows per slice: few enough passes, few enough thread barriers
+
+
+class _SampledLogProbs(torch.autograd.Function):
+    """log softmax(z / T)[target] and the entropy of softmax(z / T), row by row of (N, V) logits z.
+
+    Autograd of the plain expression keeps z / T, the log-sum-exp's softmax, the gather's scattered
+    one-hot and their sum, each a full (N, V) tensor; here the forward makes one pass over each
+    slice of rows (log-sum-exp, entropy, target) and the backward writes the gradient
+    (one-hot − softmax) · g / T straight into its buffer, a slice at a time."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float):
+        n = logits.shape[0]
+        lse, logps, entropy = (logits.new_empty(n) for _ in range(3))
+        for a in range(0, n, ROWS_PER_CHUNK):
+            z = logits[a:a + ROWS_PER_CHUNK]
+            z = z / temperature if temperature != 1.0 else z
+            m = torch.logsumexp(z, dim=-1)
+            p = torch.exp(z - m[:, None])  # H = log Z − Σ p·z
+            entropy[a:a + ROWS_PER_CHUNK] = m - p.mul_(z).sum(-1)
+            logps[a:a + ROWS_PER_CHUNK] = z.gather(1, targets[a:a + ROWS_PER_CHUNK, None])[:, 0] - m
+            lse[a:a + ROWS_PER_CHUNK] = m
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.temperature = temperature
+        ctx.mark_non_differentiable(entropy)
+        return logps, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logps: torch.Tensor, _grad_entropy: torch.Tensor):
+        logits, targets, lse = ctx.saved_tensors
+        t = ctx.temperature
+        grad = torch.empty_like(logits)
+        g = grad_logps / t
+        for a in range(0, logits.shape[0], ROWS_PER_CHUNK):
+            z, out = logits[a:a + ROWS_PER_CHUNK], grad[a:a + ROWS_PER_CHUNK]
+            torch.sub(z / t if t != 1.0 else z, lse[a:a + ROWS_PER_CHUNK, None], out=out)
+            out.exp_().mul_(-g[a:a + ROWS_PER_CHUNK, None])
+            out.scatter_add_(1, targets[a:a + ROWS_PER_CHUNK, None], g[a:a + ROWS_PER_CHUNK, None])
+        return grad, None, None
+
+
+def sampled_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> tuple[torch.Tensor,
+                                                                                              torch.Tensor]:
+    """(N,) log-probs of `targets` under softmax(logits / temperature), differentiable, and (N,)
+    entropies (no gradient), from fp32 (N, V) logits (`_SampledLogProbs`)."""
+    return _SampledLogProbs.apply(logits, targets, temperature)
 
 
 class RLObjective:

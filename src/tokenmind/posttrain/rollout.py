@@ -78,7 +78,8 @@ class RolloutSettings:
 @dataclass
 class Group:
     """One prompt's completions: token ids (with the end-of-turn token when the sample stopped),
-    texts, the sampler's per-token log-probs (NaN for that appended end token), rewards."""
+    texts, the sampler's per-token log-probs (NaN for that appended end token, and all NaN when the loader
+    does not ask for them: `RolloutLoader.recomputes_logps`), rewards."""
 
     item: Item
     prompt_ids: list[int]
@@ -229,6 +230,16 @@ class RolloutLoader:
 
     # ---- sampling and scoring --------------------------------------------------------------------
 
+    @property
+    def recomputes_logps(self) -> bool:
+        """Whether `pack` runs the policy for its own log-probs (a rollout reused for several updates,
+        the KL in the reward, PPO's values). Only then does the engine return the sampler's
+        log-probs, to log how far they are from the learner's (`sampler_logp_gap`): one update per
+        rollout takes the learner's detached ones as the old policy, and the engine skips a
+        log-softmax and a top-k over the vocabulary per token."""
+        s = self.s
+        return s.epochs > 1 or (s.kl_coef > 0 and s.kl_place == "reward") or self.with_values
+
     def next_items(self, count: int) -> list[int]:
         """The next `count` item indices of the seeded per-epoch order."""
         chosen = []
@@ -246,7 +257,8 @@ class RolloutLoader:
         each prompt's seed comes from (run seed, rollout, round, its place), wherever it runs."""
         s = self.s
         params = [SamplingParams(max_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
-                                 n=s.group_size, logprobs=0, stop_token_ids=[self.end_id], ignore_eos=True,
+                                 n=s.group_size, logprobs=0 if self.recomputes_logps else None,
+                                 stop_token_ids=[self.end_id], ignore_eos=True,
                                  seed=int(np.random.default_rng([self.seed, self.rollouts, round_, i]).integers(2**31)))
                   for i in range(len(indices))]
         return indices, self.submit([self.prompts[i] for i in indices], params)
@@ -259,7 +271,8 @@ class RolloutLoader:
             for c in out.outputs:
                 stopped = c.finish_reason == "stop"
                 completions.append(list(c.token_ids) + ([self.end_id] if stopped else []))
-                logps.append([lp.logprob for lp in c.logprobs] + ([math.nan] if stopped else []))
+                sampled = [lp.logprob for lp in c.logprobs] if c.logprobs is not None else [math.nan] * len(c.token_ids)
+                logps.append(sampled + ([math.nan] if stopped else []))
                 truncated.append(not stopped)
             groups.append(Group(self.items[i], self.prompts[i], completions, [c.text.strip() for c in out.outputs],
                                 logps, truncated, version=version))
@@ -355,7 +368,7 @@ class RolloutLoader:
 
         device = next(model.parameters()).device
         on_device = batch.to(device)
-        need_policy = s.epochs > 1 or (s.kl_coef > 0 and s.kl_place == "reward") or self.with_values
+        need_policy = self.recomputes_logps
         nan = per_token(torch.full((len(scored),), math.nan))
         old_logps, values = nan, None
         if need_policy:
