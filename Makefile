@@ -25,11 +25,16 @@ speedrun: setup
 demo: setup
 	$(BIN)/tokenmind chat --model smollm2 --message "What is the capital of France? Answer in one sentence."
 
+# Two pytest-xdist workers of one torch thread each; a module (or the Ray tests) at a time per worker, the slow
+# modules first (tests/conftest.py orders them). TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
+
 test: setup
-	$(BIN)/pytest -q --durations=15
+	$(BIN)/pytest -q $(XDIST) --durations=15
 
 test-fast: setup
-	$(BIN)/pytest -q -m "not slow"
+	$(BIN)/pytest -q $(XDIST) -m "not slow"
 
 # Online RL on SmolLM2 (chain sums, held-out accuracy): GRPO, PPO and Dr.GRPO on one config, then their
 # curves side by side in runs/rl_compare.png (~25 minutes each on 2 cores).
