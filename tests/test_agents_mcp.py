@@ -114,7 +114,8 @@ def test_tokenmind_client_offers_an_sdk_servers_tools_over_stdio(sdk_server_scri
         assert result.messages[2] == {"role": "tool", "tool_call_id": "c1", "name": "shout", "content": "MCP"}
 
 
-def wait_for_port(port: int, process: subprocess.Popen, timeout: float = 60.0) -> None:
+def wait_for_port(port: int, process: subprocess.Popen, timeout: float = 180.0) -> None:
+    """Until the server listens: its start took over 60 s in `make test` (two workers) on a loaded 2-core CPU."""
     import socket
 
     deadline = time.monotonic() + timeout
