@@ -122,7 +122,9 @@ class LoRAAdapter(nn.Module):
         return self.lora_B[name].float() @ self.lora_A[name].float() * self.scale
 
 
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+def autocast_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul on `t` runs in: the autocast dtype where autocast is on, else t's
+    (what a hand-written autograd node must pick itself, its backward running outside autocast)."""
     device = t.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else t.dtype
 
@@ -136,7 +138,7 @@ class _FrozenLinearWithLoRA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: float,
                 slices: list[tuple[int, int]], *pairs: torch.Tensor) -> torch.Tensor:
-        dtype = _compute_dtype(x)  # the autocast dtype (as nn.Linear would run), else x's
+        dtype = autocast_dtype(x)  # the autocast dtype (as nn.Linear would run), else x's
         flat = x.reshape(-1, x.shape[-1]).to(dtype)
         w = weight.to(dtype)
         y = flat @ w.t() if bias is None else torch.addmm(bias.to(dtype), flat, w.t())

@@ -18,21 +18,18 @@ from __future__ import annotations
 
 import torch
 
+from tokenmind.model.lora import autocast_dtype
+
 # Rows per chunk: 128 × 49,152 fp32 logits is 25 MB, about a last-level cache, and keeps the
 # matmuls wide enough to run at full speed.
 CHUNK_ROWS = 128
-
-
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
-    device = t.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else t.dtype
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap: float | None,
                 chunk: int, grads: bool) -> torch.Tensor:
-        dtype = _compute_dtype(hidden)
+        dtype = autocast_dtype(hidden)
         h, w = hidden.to(dtype), weight.to(dtype)
         grad_h = torch.empty_like(hidden) if grads and ctx.needs_input_grad[0] else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
