@@ -140,7 +140,8 @@ def bench_config(kind: str, args, work: Path) -> dict:
         rates = {side: round(batch * n / statistics.median(t), 1) for side, t in times.items()}
         result[f"batch_{batch}"] = {
             "decode_tok_s": rates,
-            "gflop_s": {side: round(rate * flops / 1e9, 2) for side, rate in rates.items()},
+            # three significant digits, not two decimals: a tiny run under load is well under 0.01 GFLOP/s
+            "gflop_s": {side: float(f"{rate * flops / 1e9:.3g}") for side, rate in rates.items()},
             "ratio_vs_transformers": round(rates["tokenmind"] / rates["transformers"], 2),
             "same_tokens": tokens["tokenmind"] == tokens["transformers"],
             "aten_calls_per_step": aten_calls_per_step(engine, prompts[:batch]),
