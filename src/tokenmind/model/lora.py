@@ -164,11 +164,11 @@ class _FrozenLinearWithLoRA(torch.autograd.Function):
             grads[2 * i + 1] = (dy_s.t() @ u_s).to(b.dtype)
             du[:, i * rank:(i + 1) * rank] = dy_s @ b.to(dtype)
         du.mul_(ctx.scale)
-        a = torch.cat(pairs[0::2]).to(dtype)
         for i, grad_a in enumerate((du.t() @ flat).split(rank)):
             grads[2 * i] = grad_a.to(pairs[2 * i].dtype)
         dx = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0]:  # the first adapted layer's input (frozen embeddings) needs none
+            a = torch.cat(pairs[0::2]).to(dtype)
             dx = torch.addmm(du @ a, dy, weight.to(dtype)).to(ctx.x_dtype).reshape(ctx.x_shape)
         return dx, None, None, None, None, *grads
 
