@@ -11,21 +11,27 @@ Stages, each through the CLI's own config loaders (the JSON records the equivale
 * base: SmolLM2-135M-Instruct as it is;
 * sft: `tokenmind sft` with LoRA r16 on the chosen solutions of the training pairs (the base
   ignores the step format, so DPO alone has little to move: 0.01 → 0.03 final-answer accuracy);
-* dpo: `tokenmind posttrain dpo` from the SFT model (which is also the reference), LoRA r16.
+* dpo: `tokenmind posttrain dpo` from the SFT model (which is also the reference), LoRA r16, on the
+  scripted pairs above (off-policy: the SFT model would rarely write either solution);
+* onpolicy: the same DPO from the SFT model, on pairs of its own samples: N samples per fresh training
+  problem (`multistep_items` seed 3, evaluation expressions excluded) from the paged engine, ranked by
+  the step verifier (`multistep_reward`: the share of steps right before the first wrong one), the
+  best against the worst where they differ (`sampling.rejection_sample`, its `pairs.jsonl`).
 
 Measured on the same items:
 
 * task accuracy, every stage: greedy answers to the held-out problems, scored by `numeric_reward`
   (final answer right) and `multistep_reward` = 1 (every step right), with the binomial standard
-  error, and the paired standard error of each stage's gain over the previous one;
+  error, and the paired standard error of each stage's gain over the model it started from;
 * held-out pairs, SFT and DPO models (scoring them is a forward pass per pair, which the shared
   2-core CPU cannot spare for the base too): preference accuracy, the share whose chosen solution
   gets the higher log-probability, and DPO's implicit-reward accuracy against its reference (the
   SFT model), the share where log π/π_ref is higher for chosen than rejected; DPO's own val split
-  (`val_reward_accuracy`) is reported too.
+  (`val_reward_accuracy`) is reported too where it has one.
 
-A stage's results are kept in --work, so the pipeline can run in pieces (`--stage sft`, then
-`dpo`, and `base`; each trains if its run is missing, then evaluates); every call prints all done.
+A stage's results are kept in --work with the settings it ran with, so the pipeline can run in pieces
+(`--stage sft`, then `dpo`, `onpolicy` and `base`; each trains if its run is missing, then evaluates)
+and a stage whose own settings changed is refused rather than mixed; every call prints all done.
 
     python benchmarks/quality_dpo.py --work runs/quality_dpo [--stage all] [--tasks 100] [--heldout 100]
 """
@@ -42,8 +48,19 @@ from pathlib import Path
 import torch
 from _common import emit, machine_info
 
-STAGES = ("base", "sft", "dpo")
-SETTINGS = ("train", "heldout", "tasks", "max_tokens", "sft_steps", "sft_lr", "sft_seq", "steps", "lr", "seq")
+STAGES = ("base", "sft", "dpo", "onpolicy")
+PARENT = {"sft": "base", "dpo": "sft", "onpolicy": "sft"}  # the model a stage starts from (and compares to)
+_EVAL = ("heldout", "tasks", "max_tokens")
+_SFT = ("train", "sft_steps", "sft_lr", "sft_seq", *_EVAL)
+STAGE_SETTINGS = {  # what each stage's cached result depends on
+    "base": ("tasks", "max_tokens"), "sft": _SFT, "dpo": (*_SFT, "steps", "lr", "seq", "beta"),
+    "onpolicy": (*_SFT, "problems", "samples", "temperature", "threshold", "onpolicy_steps", "onpolicy_lr", "seq",
+                 "beta")}
+
+
+def stage_settings(stage: str, args: argparse.Namespace) -> dict:
+    """The arguments a stage's result depends on: a cached result is reused only when they match."""
+    return {k: getattr(args, k) for k in STAGE_SETTINGS[stage]}
 
 
 def stderr(p: float, n: int) -> float:
@@ -76,7 +93,7 @@ def build_data(args: argparse.Namespace, work: Path) -> dict:
     write_jsonl(work / "train.jsonl", [{k: p[k] for k in strip} for p in train])
     write_jsonl(work / "heldout.jsonl", [{k: p[k] for k in strip} for p in heldout])
     write_jsonl(work / "sft.jsonl", [{"messages": p["prompt"] + p["chosen"]} for p in train])
-    return {"items": items, "counts": {
+    return {"items": items, "evaluation": evaluation, "counts": {
         "train_pairs": len(train), "sft_chats": len(train), "heldout_pairs": len(heldout), "task_problems": len(items),
         "decontamination": {"evaluation_expressions": len(evaluation),
                             "unfiltered_train_expressions_in_evaluation": len(unfiltered & evaluation),
@@ -131,38 +148,74 @@ def sft_overrides(args: argparse.Namespace, work: Path) -> list[str]:
             "--train.checkpoint_every=5", f"--train.out_dir={work / 'sft'}"]
 
 
-def dpo_overrides(args: argparse.Namespace, work: Path) -> list[str]:
-    return [f"--preference.init_from={work / 'sft'}", f"--data.files={work / 'train.jsonl'}", "--data.batch_size=2",
-            f"--data.seq_len={args.seq}", "--data.val_fraction=0.1", "--lora.rank=16", "--lora.alpha=32",
-            "--lora.dropout=0", f"--optim.lr={args.lr}", "--schedule.name=cosine", "--schedule.warmup_steps=3",
-            f"--train.steps={args.steps}", "--train.precision=auto", "--train.eval_every=0",
-            "--train.checkpoint_every=5", f"--train.out_dir={work / 'dpo'}"]
+def dpo_overrides(args: argparse.Namespace, work: Path, stage: str) -> list[str]:
+    """DPO from the SFT model: on the scripted pairs (`dpo`, a 10% val split) or on its own (`onpolicy`,
+    too few pairs to spare a val split: the held-out pairs measure it)."""
+    onpolicy = stage == "onpolicy"
+    files, val = (work / "onpolicy_pairs" / "pairs.jsonl", 0) if onpolicy else (work / "train.jsonl", 0.1)
+    steps, lr = (args.onpolicy_steps, args.onpolicy_lr) if onpolicy else (args.steps, args.lr)
+    return [f"--preference.init_from={work / 'sft'}", f"--preference.beta={args.beta}", f"--data.files={files}",
+            "--data.batch_size=2", f"--data.seq_len={args.seq}", f"--data.val_fraction={val}", "--lora.rank=16",
+            "--lora.alpha=32", "--lora.dropout=0", f"--optim.lr={lr}", "--schedule.name=cosine",
+            "--schedule.warmup_steps=3", f"--train.steps={steps}", "--train.precision=auto", "--train.eval_every=0",
+            "--train.checkpoint_every=5", f"--train.out_dir={work / stage}"]
 
 
-def train_stage(stage: str, args: argparse.Namespace, work: Path) -> dict:
-    """Runs (or resumes) the stage's training; its command, seconds and final metrics."""
+def sample_pairs(args: argparse.Namespace, work: Path, evaluation: set[str]) -> dict:
+    """The SFT model's own pairs (`sampling.rejection_sample`, scored by the step verifier) on fresh
+    training problems, kept in work/onpolicy_pairs (sampled once: the slow part on a CPU)."""
+    from tokenmind.engine.llm import LLM
+    from tokenmind.engine.sampling import SamplingParams
+    from tokenmind.model.load import load_model
+    from tokenmind.posttrain.sampling import rejection_sample
+    from tokenmind.posttrain.tasks import multistep_items, multistep_reward
+
+    out = work / "onpolicy_pairs"
+    if (out / "report.json").is_file():
+        return json.loads((out / "report.json").read_text())
+    items = [it for it in multistep_items(2 * args.problems, seed=3) if it["expression"] not in evaluation]
+    items = items[:args.problems]
+    if len(items) < args.problems:
+        raise RuntimeError(f"only {len(items)} seed-3 problems are not evaluation problems; lower --problems")
+    started = time.perf_counter()
+    llm = LLM(load_model(work / "sft", dtype="float32"), max_num_seqs=len(items) * args.samples)
+    params = SamplingParams(temperature=args.temperature, top_p=0.95, max_tokens=args.max_tokens)
+    report = rejection_sample(llm, items, multistep_reward, out, n=args.samples, threshold=args.threshold,
+                              params=params, seed=0, progress=False)
+    report["sample_seconds"] = round(time.perf_counter() - started, 1)
+    (out / "report.json").write_text(json.dumps(report) + "\n")
+    return report
+
+
+def train_stage(stage: str, args: argparse.Namespace, work: Path, evaluation: set[str]) -> dict:
+    """Runs (or resumes) the stage's training (for `onpolicy`, sampling its pairs first); its command,
+    seconds and final metrics."""
     from tokenmind.posttrain.preference import load_preference_config, preference_train
     from tokenmind.posttrain.sft import load_sft_config, sft
 
-    overrides = sft_overrides(args, work) if stage == "sft" else dpo_overrides(args, work)
+    info = {"sampling": sample_pairs(args, work, evaluation)} if stage == "onpolicy" else {}
+    overrides = sft_overrides(args, work) if stage == "sft" else dpo_overrides(args, work, stage)
     started = time.perf_counter()
     if stage == "sft":
         result, command = sft(load_sft_config(None, overrides)), "tokenmind sft"
     else:
         result, command = preference_train(load_preference_config(None, overrides, {"preference.loss": "dpo"})), \
             "tokenmind posttrain dpo"
-    info = {"command": " ".join([command, *overrides]), "train_seconds": round(time.perf_counter() - started, 1),
-            "final_loss": result.final_loss, "steps": result.steps}
-    if stage == "dpo":
+    info.update(command=" ".join([command, *overrides]), train_seconds=round(time.perf_counter() - started, 1),
+                final_loss=result.final_loss, steps=result.steps)
+    if stage != "sft":
         metrics = [json.loads(line) for line in open(result.metrics_path)]
-        val = [m for m in metrics if "val_reward_accuracy" in m][-1]
-        info.update(val_reward_accuracy=val["val_reward_accuracy"], val_reward_margin=val["val_reward_margin"])
+        info["train_reward_accuracy"] = [m["reward_accuracy"] for m in metrics if "reward_accuracy" in m]
+        val = [m for m in metrics if "val_reward_accuracy" in m]
+        if val:
+            info.update({k: val[-1][k] for k in ("val_reward_accuracy", "val_reward_margin")})
     return info
 
 
-def run_stage(stage: str, args: argparse.Namespace, work: Path, items: list[dict]) -> dict:
+def run_stage(stage: str, args: argparse.Namespace, work: Path, data: dict) -> dict:
     load_start = [round(x, 2) for x in os.getloadavg()]
-    info = {} if stage == "base" else train_stage(stage, args, work)
+    items = data["items"]
+    info = {} if stage == "base" else train_stage(stage, args, work, data["evaluation"])
     # held-out pairs score the SFT model (DPO's reference) and the DPO model: what implicit rewards need
     info.update(evaluate("smollm2" if stage == "base" else work / stage, items, work, args, pairs=stage != "base"))
     info["loadavg"] = [load_start, [round(x, 2) for x in os.getloadavg()]]
@@ -171,8 +224,9 @@ def run_stage(stage: str, args: argparse.Namespace, work: Path, items: list[dict
 
 def summarize(results: dict, counts: dict) -> dict:
     """Accuracies with standard errors per stage, paired gains, and implicit-reward accuracies."""
-    out, previous = {}, None
+    out = {}
     for stage in [s for s in STAGES if s in results]:
+        previous = PARENT.get(stage)
         r, n = results[stage], len(results[stage]["answer_right"])
         row = {"n": n}
         for key in ("answer_right", "steps_right"):
@@ -195,13 +249,14 @@ def summarize(results: dict, counts: dict) -> dict:
             wins = sum((c - rc) > (rej - rr) for (c, rej), (rc, rr) in zip(pairs, ref["pair_logps"])) / len(pairs)
             row[f"heldout_implicit_reward_accuracy_vs_{previous}"] = round(wins, 4)
             row["heldout_implicit_reward_stderr"] = round(stderr(wins, len(pairs)), 4)
-        for key in ("command", "train_seconds", "final_loss", "steps", "val_reward_accuracy", "val_reward_margin",
-                    "eval_seconds", "loadavg"):
+        for key in ("settings", "sampling", "command", "train_seconds", "final_loss", "steps", "train_reward_accuracy",
+                    "val_reward_accuracy", "val_reward_margin", "eval_seconds", "loadavg"):
             if key in r:
                 row[key] = r[key]
-        out[stage], previous = row, stage
+        out[stage] = row
     return {"benchmark": "dpo_quality", "model": "SmolLM2-135M-Instruct", "pipeline": "base -> SFT (LoRA r16) -> "
-            "DPO (LoRA r16, beta 0.1, reference = the SFT model)", "precision": "fp32", **counts, "stages": out}
+            "DPO (LoRA r16, reference = the SFT model) on scripted pairs (dpo) or on its own samples ranked by "
+            "the step verifier (onpolicy)", "precision": "fp32", **counts, "stages": out}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -218,23 +273,32 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=8, help="DPO optimizer steps")
     p.add_argument("--lr", type=float, default=5e-4, help="DPO learning rate (LoRA)")
     p.add_argument("--seq", type=int, default=400, help="DPO row length: two pairs fit (a sequence may take half)")
+    p.add_argument("--beta", type=float, default=0.1, help="DPO beta (both DPO stages)")
+    p.add_argument("--problems", type=int, default=24, help="onpolicy: fresh training problems to sample")
+    p.add_argument("--samples", type=int, default=6, help="onpolicy: samples per problem")
+    p.add_argument("--temperature", type=float, default=0.8, help="onpolicy: sampling temperature")
+    p.add_argument("--threshold", type=float, default=0.2,
+                   help="onpolicy: the best sample's least step-verifier score to make a pair (1: all steps right)")
+    p.add_argument("--onpolicy-steps", type=int, default=8)
+    p.add_argument("--onpolicy-lr", type=float, default=2e-4)
     p.add_argument("--out")
     args = p.parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     state_path = work / "results.json"
-    settings = {k: getattr(args, k) for k in SETTINGS}
-    state = json.loads(state_path.read_text()) if state_path.is_file() else {"settings": settings, "results": {}}
-    if state["settings"] != settings:
-        raise SystemExit(f"{work} holds results for other settings {state['settings']}; pass another --work")
+    state = json.loads(state_path.read_text()) if state_path.is_file() else {"results": {}}
     data = build_data(args, work)
     for stage in STAGES if args.stage == "all" else (args.stage,):
-        if stage == "dpo" and "sft" not in state["results"]:
-            raise SystemExit("stage dpo starts from the SFT model; run --stage sft first")
+        settings = stage_settings(stage, args)
+        if stage in state["results"] and state["results"][stage]["settings"] != settings:
+            raise SystemExit(f"{work} holds stage {stage} run with {state['results'][stage]['settings']}, not "
+                             f"{settings}; pass another --work (or delete {work / stage} and its entry)")
+        if PARENT.get(stage, "base") != "base" and PARENT[stage] not in state["results"]:
+            raise SystemExit(f"stage {stage} starts from the SFT model; run --stage sft first")
         if stage not in state["results"]:
-            state["results"][stage] = run_stage(stage, args, work, data["items"])
+            state["results"][stage] = {"settings": settings, **run_stage(stage, args, work, data)}
             state_path.write_text(json.dumps(state) + "\n")
-    result = {**summarize(state["results"], data["counts"]), "settings": settings,
+    result = {**summarize(state["results"], data["counts"]),
               "machine": machine_info(note="AMD EPYC, 2 cores AVX2, shared with other jobs: see each stage's loadavg")}
     emit(result, args.out)
     return result
