@@ -163,7 +163,7 @@ def dpo_overrides(args: argparse.Namespace, work: Path, stage: str) -> list[str]
 
 def sample_pairs(args: argparse.Namespace, work: Path, evaluation: set[str]) -> dict:
     """The SFT model's own pairs (`sampling.rejection_sample`, scored by the step verifier) on fresh
-    training problems, kept in work/onpolicy_pairs (sampled once: the slow part on a CPU)."""
+    training problems, kept in work/onpolicy_pairs (sampled once per sampling settings: the slow part on a CPU)."""
     from tokenmind.engine.llm import LLM
     from tokenmind.engine.sampling import SamplingParams
     from tokenmind.model.load import load_model
@@ -171,8 +171,10 @@ def sample_pairs(args: argparse.Namespace, work: Path, evaluation: set[str]) -> 
     from tokenmind.posttrain.tasks import multistep_items, multistep_reward
 
     out = work / "onpolicy_pairs"
-    if (out / "report.json").is_file():
-        return json.loads((out / "report.json").read_text())
+    settings = {k: getattr(args, k) for k in ("problems", "samples", "temperature", "threshold", "max_tokens")}
+    cached = json.loads((out / "report.json").read_text()) if (out / "report.json").is_file() else {}
+    if cached.get("settings") == settings:
+        return cached
     items = [it for it in multistep_items(2 * args.problems, seed=3) if it["expression"] not in evaluation]
     items = items[:args.problems]
     if len(items) < args.problems:
@@ -182,7 +184,7 @@ def sample_pairs(args: argparse.Namespace, work: Path, evaluation: set[str]) -> 
     params = SamplingParams(temperature=args.temperature, top_p=0.95, max_tokens=args.max_tokens)
     report = rejection_sample(llm, items, multistep_reward, out, n=args.samples, threshold=args.threshold,
                               params=params, seed=0, progress=False)
-    report["sample_seconds"] = round(time.perf_counter() - started, 1)
+    report.update(settings=settings, sample_seconds=round(time.perf_counter() - started, 1))
     (out / "report.json").write_text(json.dumps(report) + "\n")
     return report
 
@@ -212,12 +214,16 @@ def train_stage(stage: str, args: argparse.Namespace, work: Path, evaluation: se
     return info
 
 
-def run_stage(stage: str, args: argparse.Namespace, work: Path, data: dict) -> dict:
+def run_stage(stage: str, args: argparse.Namespace, work: Path, data: dict, trained: dict | None = None) -> dict:
+    """Trains the stage (unless `trained` holds its cached training record) and evaluates its model."""
     load_start = [round(x, 2) for x in os.getloadavg()]
-    items = data["items"]
-    info = {} if stage == "base" else train_stage(stage, args, work, data["evaluation"])
-    # held-out pairs score the SFT model (DPO's reference) and the DPO model: what implicit rewards need
-    info.update(evaluate("smollm2" if stage == "base" else work / stage, items, work, args, pairs=stage != "base"))
+    if trained is not None:
+        info = {k: v for k, v in trained.items() if k not in ("answer_right", "steps_right", "pair_logps")}
+    else:
+        info = {} if stage == "base" else train_stage(stage, args, work, data["evaluation"])
+    # held-out pairs score the SFT model (DPO's reference) and the DPO models: what implicit rewards need
+    info.update(evaluate("smollm2" if stage == "base" else work / stage, data["items"], work, args,
+                         pairs=stage != "base"))
     info["loadavg"] = [load_start, [round(x, 2) for x in os.getloadavg()]]
     return info
 
@@ -281,6 +287,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="onpolicy: the best sample's least step-verifier score to make a pair (1: all steps right)")
     p.add_argument("--onpolicy-steps", type=int, default=8)
     p.add_argument("--onpolicy-lr", type=float, default=2e-4)
+    p.add_argument("--reevaluate", action="store_true", help="evaluate the stage's cached model again, so that "
+                   "stages compared ran the same inference code (greedy answers are then paired exactly)")
     p.add_argument("--out")
     args = p.parse_args(argv)
     work = Path(args.work)
@@ -295,8 +303,9 @@ def main(argv: list[str] | None = None) -> dict:
                              f"{settings}; pass another --work (or delete {work / stage} and its entry)")
         if PARENT.get(stage, "base") != "base" and PARENT[stage] not in state["results"]:
             raise SystemExit(f"stage {stage} starts from the SFT model; run --stage sft first")
-        if stage not in state["results"]:
-            state["results"][stage] = {"settings": settings, **run_stage(stage, args, work, data)}
+        if stage not in state["results"] or args.reevaluate:
+            trained = state["results"].get(stage)
+            state["results"][stage] = {"settings": settings, **run_stage(stage, args, work, data, trained)}
             state_path.write_text(json.dumps(state) + "\n")
     result = {**summarize(state["results"], data["counts"]),
               "machine": machine_info(note="AMD EPYC, 2 cores AVX2, shared with other jobs: see each stage's loadavg")}

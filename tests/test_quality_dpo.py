@@ -61,3 +61,19 @@ def test_onpolicy_dpo_trains_on_the_sampled_pairs_without_a_val_split(quality_dp
     assert cfg.preference.beta == 0.3 and cfg.optim.lr == 1e-4 and cfg.train.steps == 6
     assert cfg.data.val_fraction == 0 and cfg.data.files == [str(tmp_path / "onpolicy_pairs" / "pairs.jsonl")]
     assert cfg.train.out_dir == str(tmp_path / "onpolicy")
+
+
+def test_reevaluate_keeps_the_training_record_and_replaces_the_outcomes(quality_dpo, tmp_path, monkeypatch):
+    args = ["--work", str(tmp_path), "--train", "4", "--heldout", "2", "--tasks", "2", "--stage", "sft"]
+    ns = argparse.Namespace(train=4, sft_steps=10, sft_lr=1e-3, sft_seq=288, heldout=2, tasks=2, max_tokens=128)
+    cached = {"settings": quality_dpo.stage_settings("sft", ns), "answer_right": [0, 0], "steps_right": [0, 0],
+              "example": "", "train_seconds": 12.5, "final_loss": 0.2, "steps": 10}
+    (tmp_path / "results.json").write_text(json.dumps({"results": {"sft": cached}}))
+    evaluated = []
+    monkeypatch.setattr(quality_dpo, "evaluate", lambda ref, items, work, a, pairs: evaluated.append(ref) or {
+        "answer_right": [1, 0], "steps_right": [1, 0], "example": "Answer: 3", "eval_seconds": 1.0})
+    assert quality_dpo.main(args)["stages"]["sft"]["answer_accuracy"] == 0
+    assert evaluated == []  # cached: nothing runs without --reevaluate
+    row = quality_dpo.main([*args, "--reevaluate"])["stages"]["sft"]
+    assert evaluated == [tmp_path / "sft"] and row["answer_accuracy"] == 0.5
+    assert row["train_seconds"] == 12.5 and row["steps"] == 10  # the training is not run again
