@@ -127,6 +127,6 @@ def test_an_unused_block_pool_costs_no_resident_memory(dtype):
     cache = PagedKVCache(cfg, (512 << 20) // per_block, 16, dtype=dtype)
     assert resident_bytes() - before < 32 << 20
     assert cache.k.dtype == dtype and not cache.k[:, :3].any() and not cache.v[:, -3:].any()
-    cache.k_layer_slots[1].index_copy_(0, torch.tensor([5]), torch.ones(1, 4, 64, dtype=dtype))
+    cache.k_layer_slots[1].index_copy_(1, torch.tensor([5]), torch.ones(1, 1, 4, 64, dtype=dtype))
     cache.copy_block(0, 7)  # the pool is ordinary writable memory
     assert cache.k[1, 7, 5].eq(1).all() and int(cache.k.count_nonzero()) == 2 * 4 * 64

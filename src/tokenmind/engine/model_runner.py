@@ -86,7 +86,7 @@ class ModelRunner:
         try:
             with torch.inference_mode():
                 hidden = self._hidden_states(chunks, input_ids, positions, meta)
-                logits = self.model.logits(hidden[0, rows]).float() if rows else hidden.new_empty(0, 0)
+                logits = self._logits(hidden, rows)
             self.hidden = hidden[0]
         finally:
             self.routing.clear_rows()
@@ -95,6 +95,14 @@ class ModelRunner:
             offsets.append(at)
             at += {"all": len(chunk.token_ids), "last": 1, "none": 0}[chunk.logits]
         return logits, offsets
+
+    def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """(R, V) float32 logits of `rows` (increasing, distinct) of the step's hidden states. A step that
+        wants every row (all decode) takes them as a view, and float32 logits are not cast again."""
+        if not rows:
+            return hidden.new_empty(0, 0)
+        logits = self.model.logits(hidden[0] if len(rows) == hidden.shape[1] else hidden[0, rows])
+        return logits if logits.dtype == torch.float32 else logits.float()
 
     def _hidden_states(self, chunks: list[Chunk], input_ids: torch.Tensor, positions: torch.Tensor,
                        meta: PagedAttentionMetadata) -> torch.Tensor:

@@ -42,7 +42,8 @@ class PagedKVCache:
         else:
             self.v = _zeros_on_first_touch(shape[:-1] + (value_dim,), dtype, device)
             self.v_slots = self.v.view(shape[0], num_blocks * block_size, heads, value_dim)
-        self.k_layer_slots, self.v_layer_slots = self.k_slots.unbind(0), self.v_slots.unbind(0)
+        # per layer, (1, slots, H, D): the step's (1, N, H, D) keys/values copy in along dim 1 with no select first
+        self.k_layer_slots, self.v_layer_slots = self.k_slots[:, None].unbind(0), self.v_slots[:, None].unbind(0)
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -51,10 +52,10 @@ class PagedKVCache:
         return cfg.num_hidden_layers * block_size * heads * (key_dim + value_dim) * elem
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store one layer's new keys/values (N, H_kv, D) at their slots."""
-        self.k_layer_slots[layer].index_copy_(0, slots, k)
+        """Store one layer's new keys/values, the step's (1, N, H_kv, D), at their N slots."""
+        self.k_layer_slots[layer].index_copy_(1, slots, k)
         if not self.values_in_keys:
-            self.v_layer_slots[layer].index_copy_(0, slots, v)
+            self.v_layer_slots[layer].index_copy_(1, slots, v)
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy-on-write support: duplicate one block's contents in every layer."""
@@ -223,7 +224,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
     verification) one sequence at a time. Masks are built once per step, and a sequence whose
     blocks are consecutive is read through a view of the pool instead of a gathered copy.
     """
-    cache.write(layer, meta.slot_mapping, k[0], v[0])
+    cache.write(layer, meta.slot_mapping, k, v)
     starts, lens = meta.query_start_loc, meta.seq_lens
     dec = meta.decode_batch(cache.block_size, window)
     if dec is not None:

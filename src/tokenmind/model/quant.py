@@ -78,6 +78,7 @@ class QuantizedLinear(nn.Module):
     # linearly with rows, the other's barely. Measured on SmolLM2's weights (bench_quant.py
     # --crossover): int8 crosses over between 32 and 64 rows, int4 between 128 and 256.
     kernel_max_rows = 32
+    _scales_name = ""  # the buffer of scales, whose dtype is the compute dtype (set by each subclass)
 
     def __init__(self, in_features: int, out_features: int, padded_in: int, bias: torch.Tensor | None):
         super().__init__()
@@ -88,7 +89,7 @@ class QuantizedLinear(nn.Module):
     @property
     def compute_dtype(self) -> torch.dtype:
         """The kernel's activation dtype: that of the stored scales (so `.to(dtype)` moves both together)."""
-        raise NotImplementedError
+        return self._buffers[self._scales_name].dtype
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -97,20 +98,25 @@ class QuantizedLinear(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).to(self.compute_dtype)
+        # A batch-1 decode step calls this ~120 times, so the kernel path does only what it must: one
+        # view in and out, a cast each way only where the dtypes differ, buffers read from the dict.
+        rows = x.reshape(-1, self.in_features)
+        buffers, dtype = self._buffers, self.compute_dtype
         # the fused kernels have no backward: a QLoRA step needing the input's gradient takes the dequantized path
-        if 0 < x2.shape[0] <= self.kernel_max_rows and not (x2.requires_grad and torch.is_grad_enabled()):
+        if 0 < rows.shape[0] <= self.kernel_max_rows and not (x.requires_grad and torch.is_grad_enabled()):
+            x2 = rows if rows.dtype == dtype else rows.to(dtype)
             if self.padded_in != self.in_features:
                 x2 = F.pad(x2, (0, self.padded_in - self.in_features))
             y = self._kernel(x2.contiguous())
         else:
-            dtype = self._matmul_dtype(x2)
-            y = F.linear(x.reshape(-1, self.in_features).to(dtype), self.dequantize(dtype))
-        y = y.to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(x.dtype)
-        return y.reshape(*lead, self.out_features)
+            dtype = self._matmul_dtype(x)
+            y = F.linear(rows.to(dtype), self.dequantize(dtype))
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        bias = buffers["bias"]
+        if bias is not None:
+            y = y + bias.to(x.dtype)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def _matmul_dtype(self, x: torch.Tensor) -> torch.dtype:
         """The dequantized path's dtype: the compute dtype, except in a QLoRA training step on a CPU that
@@ -156,12 +162,11 @@ class Int8Linear(QuantizedLinear):
         q = F.pad(q, (0, padded - in_f))
         return cls(q, scales, in_f, bias)
 
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return self.scales.dtype
+    _scales_name = "scales"
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int8pack_mm(x, self.weight, self.scales)
+        buffers = self._buffers
+        return torch._weight_int8pack_mm(x, buffers["weight"], buffers["scales"])
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         w = self.weight[:, :self.in_features]
@@ -224,12 +229,11 @@ class Int4Linear(QuantizedLinear):
         codes = int4_round(w, scales[..., None], zeros[..., None]).view(out_f, padded)
         return cls.from_codes(codes, scales, zeros, group_size, bias, in_features=in_f)
 
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return self.scales_and_zeros.dtype
+    _scales_name = "scales_and_zeros"
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int4pack_mm_for_cpu(x, self.weight, self.group_size, self.scales_and_zeros)
+        buffers = self._buffers
+        return torch._weight_int4pack_mm_for_cpu(x, buffers["weight"], self.group_size, buffers["scales_and_zeros"])
 
     def codes(self) -> torch.Tensor:
         """The (out, padded_in) uint8 codes in [0, 15]."""

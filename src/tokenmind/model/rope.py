@@ -110,10 +110,12 @@ class RotaryEmbedding(torch.nn.Module):
             inv_freq = self._dynamic_inv_freq(int(positions.max()) + 1)
         freqs = positions.float()[..., None] * inv_freq  # (B, T, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)
-        sin = emb.sin() * self.attention_scaling
+        sin, cos = emb.sin(), emb.cos()
+        if self.attention_scaling != 1.0:  # × 1.0 is exact: skipped, like the no-op casts below (fewer ops a step)
+            sin, cos = sin * self.attention_scaling, cos * self.attention_scaling
         sin[..., : self.dim // 2].neg_()
-        cos = emb.cos() * self.attention_scaling
-        return cos[:, :, None, :].to(dtype), sin[:, :, None, :].to(dtype)
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+        return (cos, sin) if cos.dtype == dtype else (cos.to(dtype), sin.to(dtype))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

@@ -81,12 +81,12 @@ class Attention(nn.Module):
         if self.clip_qkv is not None:
             qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
         qkv = qkv.view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim)
-        qk, v = qkv[:, :, :self.n_heads + self.n_kv], qkv[:, :, self.n_heads + self.n_kv:]
+        qk, v = qkv.split([self.n_heads + self.n_kv, self.n_kv], dim=2)  # one op, not two slices
         if hasattr(self, "q_norm") and self.qk_norm_per_head:
             q, k = qk.split([self.n_heads, self.n_kv], dim=2)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
         qk = apply_rotary(qk, cos, sin)  # (B, T, H + H_kv, D)
-        q, k = qk[:, :, :self.n_heads], qk[:, :, self.n_heads:]
+        q, k = qk.split([self.n_heads, self.n_kv], dim=2)
         out = attend(q, k, v, attn, kv_cache, self.layer_idx, scale=self.scale, softcap=self.softcap,
                      window=self.window)
         return self.o_proj(out.reshape(B, T, self.n_heads * self.head_dim))
@@ -210,7 +210,7 @@ class Experts(nn.Module):
         """x (1, d): the k experts' outputs (k, d), summed by one (1, k) @ (k, d). At one row the
         grouped path's sort, count, gather and scatter, and grouped_mm's pass over every expert,
         cost more than the chosen experts' matmuls (same sizes: 162 µs a layer, 238 with grouped_mm)."""
-        outputs = torch.cat([self.expert(e, x) for e in expert[0].tolist()])
+        outputs = torch.cat([self.expert(e, x) for e in expert.tolist()[0]])
         return (weight if weight.dtype == x.dtype else weight.to(x.dtype)) @ outputs
 
     def run_grouped(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -224,6 +224,11 @@ class Experts(nn.Module):
         """Expert e's SwiGLU over its rows (n, d) → (n, d)."""
         gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, self.down_proj[e])
+
+
+def _float(x: torch.Tensor) -> torch.Tensor:
+    """x in float32; no op dispatched when it already is (a decode step calls this per MoE layer)."""
+    return x if x.dtype == torch.float32 else x.float()
 
 
 class Router(nn.Linear):
@@ -250,10 +255,10 @@ class Router(nn.Linear):
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(N, E) router logits → each token's expert weights and expert ids, both (N, k)."""
         if self.normalize and not self.sigmoid and self.method == "greedy":  # Mixtral: the top k's softmax
-            top, expert = torch.topk(logits.float(), self.top_k, dim=-1)  # probabilities renormalised are
+            top, expert = torch.topk(_float(logits), self.top_k, dim=-1)  # probabilities renormalised are
             weight = top.softmax(dim=-1)  # the softmax of their logits: fewer ops
             return weight * self.scaling if self.scaling != 1.0 else weight, expert
-        scores = logits.float().sigmoid() if self.sigmoid else logits.float().softmax(dim=-1)
+        scores = _float(logits).sigmoid() if self.sigmoid else _float(logits).softmax(dim=-1)
         choice = scores + self.e_score_correction_bias if self.method == "noaux_tc" else scores
         if self.method != "greedy" and self.n_group > 1:
             groups = choice.view(len(choice), self.n_group, -1)
