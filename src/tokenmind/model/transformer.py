@@ -81,12 +81,12 @@ class Attention(nn.Module):
         if self.clip_qkv is not None:
             qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
         qkv = qkv.view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim)
-        qk, v = qkv.split([self.n_heads + self.n_kv, self.n_kv], dim=2)  # one op, not two slices
+        qk, v = qkv[:, :, :self.n_heads + self.n_kv], qkv[:, :, self.n_heads + self.n_kv:]
         if hasattr(self, "q_norm") and self.qk_norm_per_head:
             q, k = qk.split([self.n_heads, self.n_kv], dim=2)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
         qk = apply_rotary(qk, cos, sin)  # (B, T, H + H_kv, D)
-        q, k = qk.split([self.n_heads, self.n_kv], dim=2)
+        q, k = qk[:, :, :self.n_heads], qk[:, :, self.n_heads:]
         out = attend(q, k, v, attn, kv_cache, self.layer_idx, scale=self.scale, softcap=self.softcap,
                      window=self.window)
         return self.o_proj(out.reshape(B, T, self.n_heads * self.head_dim))
