@@ -38,6 +38,24 @@ def timed_call(fn):
     return time.perf_counter() - t0, out
 
 
+def aten_calls(fn) -> int:
+    """How many ATen operators one call of `fn()` dispatches (counted with a dispatch mode; the calls
+    an operator makes inside itself, e.g. the ~20 of `F.rms_norm`, are not counted). Independent of
+    the machine's load: per-op dispatch is what a small model's batch-1 decode step mostly costs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.calls
+
+
 def machine_info(**extra) -> dict:
     """The facts a reader needs to judge a number: CPU model and the ISA that matters, cores, threads, load."""
     info = {"cpu": cpu_model(), "isa": [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16",

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit, machine_info, timed  # noqa: E402
+from _common import aten_calls, emit, machine_info, timed  # noqa: E402
 
 
 def moe_config(kind: str, hidden: int, layers: int, vocab: int):
@@ -82,24 +82,14 @@ def tokenmind_generate(engine, prompts: list[list[int]], n: int) -> list[list[in
 
 def aten_calls_per_step(engine, prompts: list[list[int]]) -> int:
     """ATen operators dispatched by one engine step in which every prompt decodes one token."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from tokenmind.engine.sampling import SamplingParams
-
-    class Count(TorchDispatchMode):
-        calls = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.calls += 1
-            return func(*args, **(kwargs or {}))
 
     ids = [engine.add_request(p, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)) for p in prompts]
     engine.step()  # the prompts
-    with Count():
-        engine.step()
+    calls = aten_calls(engine.step)
     for request_id in ids:
         engine.abort(request_id)
-    return Count.calls
+    return calls
 
 
 def hf_generate(hf, prompts: list[list[int]], n: int) -> list[list[int]]:
