@@ -34,6 +34,7 @@ A stage's results are kept in --work with the settings it ran with, so the pipel
 and a stage whose own settings changed is refused rather than mixed; every call prints all done.
 
     python benchmarks/quality_dpo.py --work runs/quality_dpo [--stage all] [--tasks 100] [--heldout 100]
+    python benchmarks/quality_dpo.py --work runs/quality_dpo --stage sft --reevaluate  # same code for all stages
 """
 
 from __future__ import annotations
