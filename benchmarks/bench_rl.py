@@ -1,7 +1,9 @@
 """One GRPO optimizer step on SmolLM2-135M-Instruct: tokenmind's RL trainer vs TRL's GRPOTrainer, on CPU.
 
-Both sides take the same task items (tokenmind's multi-step arithmetic, `posttrain.tasks.multistep_items`,
-as chat prompts rendered with the model's chat template), the same reward (the task's verifier) and
+Both sides take the same task items (reasoning-gym's `chain_sum` with two terms of 1–2 digits, the task of
+`configs/rl_smollm2.yaml`, which SmolLM2 partly solves, so the rewards differ within a group and the update
+is not empty; chat prompts rendered with the model's chat template), the same reward (the reply's final
+number, `tasks.numeric_reward`) and
 the same settings: `--prompts` prompts × `--group` completions each, at most `--max-new` new tokens,
 temperature 1 (no top-p / top-k), fp32 weights and compute, GRPO's loss (per-completion token mean;
 TRL loss_type="grpo"), group-scaled advantages, ε = 0.2, β = 0 (no reference model on either side),
@@ -20,7 +22,11 @@ The first `--warmup` steps of each side are not timed. Rollout tokens/s = comple
 token included when a completion stopped) / generation seconds. The samples differ (each side has its
 own sampler), so completion lengths differ: compare tokens/s for the rollout and look at the mean
 completion length next to the per-step times. Each side runs in its own process (own peak memory,
-no shared thread pools). Prints one JSON object.
+no shared thread pools) and reports its mean reward and gradient norm (the update is real work) and
+its process CPU seconds per step. On a machine shared with other jobs, `--threads 1` for both sides:
+two OpenMP threads on two oversubscribed cores wait at every barrier for a descheduled thread (the
+engine's rollout measured 4–10× slower than with one thread at load 4–6), and one-thread CPU
+seconds hardly move with the load. Prints one JSON object.
 
     python benchmarks/bench_rl.py [--prompts 4] [--group 8] [--max-new 64] [--steps 2] [--warmup 1]
                                   [--threads N] [--out bench_rl.json]
@@ -49,10 +55,16 @@ BETA = 0.0
 SEED = 0
 
 
-def task_items(count: int) -> list[dict]:
-    from tokenmind.posttrain.tasks import multistep_items
+TASK = "gym:chain_sum"
+TASK_CONFIG = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
+VERIFIER = "numeric"
 
-    return multistep_items(count, seed=SEED)
+
+def task_items(count: int) -> list[dict]:
+    """The prompts and answers (the only columns the reward reads; TRL's dataset gets no others)."""
+    from tokenmind.posttrain.rl_train import task_items as make_items
+
+    return [{"prompt": it["prompt"], "answer": it["answer"]} for it in make_items(TASK, count, SEED, TASK_CONFIG)[0]]
 
 
 def _peak_rss_mib() -> float:
@@ -84,7 +96,7 @@ def tokenmind_trainer(args: argparse.Namespace, *overrides: str, reward: Any = N
         "--train.eval_every=0", "--train.checkpoint_every=0", f"--train.out_dir={tempfile.mkdtemp()}",
         *overrides])
     started = time.perf_counter()
-    task = Task(items, [], reward or get_verifier("multistep"))
+    task = Task(items, [], reward or get_verifier(VERIFIER))
     trainer = build_rl_trainer(cfg, init_distributed("none", "cpu"), task)
     return trainer, time.perf_counter() - started
 
@@ -95,12 +107,13 @@ def timed_steps(trainer: Any, args: argparse.Namespace) -> list[dict]:
     engine's own tokens/s (on the actors, if there) and the last weight push's seconds."""
     steps = []
     for k in range(args.warmup + args.steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         stats = trainer.train_step()
-        step_s = time.perf_counter() - t0
+        step_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
         rollout = trainer.loader.pop_metrics()
         if k >= args.warmup:
-            steps.append({"step_s": step_s, "rollout_s": rollout["rollout_s"], "prepare_s": rollout["prepare_s"],
+            steps.append({"step_s": step_s, "cpu_s": cpu_s, "rollout_s": rollout["rollout_s"],
+                          "prepare_s": rollout["prepare_s"],
                           "tokens": rollout["rollout_tokens"], "completion_length": rollout["completion_length"],
                           "reward": rollout["reward"], "loss": stats["loss"], "grad_norm": stats["grad_norm"],
                           "staleness": rollout["staleness"],
@@ -128,7 +141,7 @@ def _trl(args: argparse.Namespace) -> dict:
     from tokenmind.posttrain.tasks import get_verifier
 
     items = task_items(args.items)
-    verifier = get_verifier("multistep")
+    verifier = get_verifier(VERIFIER)
     meta_keys = [k for k in items[0] if k != "prompt"]
 
     def task_reward(prompts, completions, **columns):
@@ -138,15 +151,17 @@ def _trl(args: argparse.Namespace) -> dict:
             out.append(float(verifier(prompt, text.strip(), **{k: columns[k][i] for k in meta_keys})))
         return out
 
-    timings: dict[str, list[float]] = {"step": [], "generate": [], "generate_and_score": [], "tokens": [],
+    timings: dict[str, list[float]] = {"step": [], "cpu": [], "generate": [], "generate_and_score": [], "tokens": [],
                                        "completions": []}
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, *a, **kw):
             timings["step"].append(time.perf_counter())
+            timings["cpu"].append(time.process_time())
 
         def on_step_end(self, *a, **kw):
             timings["step"][-1] = time.perf_counter() - timings["step"][-1]
+            timings["cpu"][-1] = time.process_time() - timings["cpu"][-1]
 
     class TimedGRPOTrainer(GRPOTrainer):
         def _generate(self, prompts):
@@ -180,15 +195,18 @@ def _trl(args: argparse.Namespace) -> dict:
     setup_s = time.perf_counter() - started
     trainer.train()
     losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+    grad_norms = [r["grad_norm"] for r in trainer.state.log_history if "grad_norm" in r]
     rewards = [r["reward"] for r in trainer.state.log_history if "reward" in r]
     steps = []
     for k in range(args.warmup, args.warmup + args.steps):
         gen, gen_score = timings["generate"][k], timings["generate_and_score"][k]
-        steps.append({"step_s": timings["step"][k], "rollout_s": gen, "prepare_s": gen_score - gen,
+        steps.append({"step_s": timings["step"][k], "cpu_s": timings["cpu"][k], "rollout_s": gen,
+                      "prepare_s": gen_score - gen,
                       "tokens": timings["tokens"][k],
                       "completion_length": timings["tokens"][k] / timings["completions"][k],
                       "reward": rewards[k] if k < len(rewards) else float("nan"),
-                      "loss": losses[k] if k < len(losses) else float("nan")})
+                      "loss": losses[k] if k < len(losses) else float("nan"),
+                      "grad_norm": grad_norms[k] if k < len(grad_norms) else float("nan")})
     return _summary(steps, setup_s, {"engine": f"transformers {transformers.__version__} generate (padded batch)",
                                      "torch_threads": _threads()})
 
@@ -210,10 +228,12 @@ def _summary(steps: list[dict], setup_s: float, extra: dict) -> dict:
     learner_s = [s["step_s"] - s["rollout_s"] - s["prepare_s"] for s in steps]
     tokens = sum(s["tokens"] for s in steps)
     return {
-        "seconds_per_step": _mean(step_s), "rollout_s": _mean(rollout_s), "prepare_s": _mean(prepare_s),
+        "seconds_per_step": _mean(step_s), "cpu_s_per_step": _mean([s["cpu_s"] for s in steps]),
+        "rollout_s": _mean(rollout_s), "prepare_s": _mean(prepare_s),
         "learner_s": _mean(learner_s), "rollout_tokens_per_s": round(tokens / sum(rollout_s), 2),
         "completion_length": _mean([s["completion_length"] for s in steps]),
         "reward": _mean([s["reward"] for s in steps]), "losses": [round(s["loss"], 5) for s in steps],
+        "grad_norms": [round(float(s["grad_norm"]), 5) for s in steps],
         "step_s_each": [round(x, 3) for x in step_s], "setup_s": round(setup_s, 2), "peak_rss_mib": _peak_rss_mib(),
         **extra,
     }
@@ -276,7 +296,8 @@ def run(args: argparse.Namespace) -> dict:
     trl = _child(args, "trl", hf_dir=hf_dir)
     load_end = os.getloadavg()
     return {
-        "benchmark": "rl_grpo_step", "model": "SmolLM2-135M-Instruct", "task": "multistep arithmetic (tokenmind)",
+        "benchmark": "rl_grpo_step", "model": "SmolLM2-135M-Instruct", "task": f"{TASK} {TASK_CONFIG}",
+        "verifier": VERIFIER,
         "prompts_per_step": args.prompts, "group_size": args.group, "max_new_tokens": args.max_new,
         "temperature": 1.0, "precision": "fp32", "beta": BETA, "clip_eps": CLIP_EPS, "loss": "grpo (sequence mean)",
         "timed_steps": args.steps, "warmup_steps": args.warmup, "same_prompt_token_ids": same_prompts,
@@ -285,9 +306,12 @@ def run(args: argparse.Namespace) -> dict:
             "prepare_s": "tokenmind: packing; TRL: the rest of _generate_and_score_completions (rewards, "
                          "padding, advantages)",
             "learner_s": "seconds_per_step - rollout_s - prepare_s (forward, backward, optimizer step)",
+            "cpu_s_per_step": "the side's process CPU seconds (user + system) per step: with --threads 1, the work "
+                              "itself, much less moved than wall time by other jobs on a shared machine",
             "rollout_tokens_per_s": "completion tokens / rollout_s over the timed steps"},
         "tokenmind": ours, "trl": trl,
         "speedup_step": round(trl["seconds_per_step"] / ours["seconds_per_step"], 3),
+        "speedup_cpu_s": round(trl["cpu_s_per_step"] / ours["cpu_s_per_step"], 3),
         "speedup_rollout_tokens_per_s": round(ours["rollout_tokens_per_s"] / trl["rollout_tokens_per_s"], 3),
         "speedup_learner": round(trl["learner_s"] / ours["learner_s"], 3),
         "machine": machine_info(lscpu=_lscpu(), torch_threads_children=ours["torch_threads"],
