@@ -196,7 +196,13 @@ def test_compiled_sampler_equals_eager(tmp_path):
         return sample(m, scheduler, (4, 1, 8, 8), labels, steps=3, guidance_scale=3.0,
                       generator=torch.Generator().manual_seed(0), num_classes=10)
 
-    torch.testing.assert_close(draw(compile_for_sampling(model)), draw(model), atol=1e-4, rtol=1e-4)
+    compiled = compile_for_sampling(model)
+    torch.testing.assert_close(draw(compiled), draw(model), atol=1e-4, rtol=1e-4)
+    if torch._C.has_mkl:  # frozen weights are packed for MKL: no linear is left as a plain addmm
+        with torch.profiler.profile() as prof:
+            draw(compiled)
+        ops = {e.key for e in prof.key_averages()}
+        assert "mkl::_mkl_linear" in ops and "aten::addmm" not in ops, sorted(ops)
 
 
 def test_cli_sample_without_a_trained_model_is_a_clear_error(tmp_path, capsys):
