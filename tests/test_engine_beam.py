@@ -130,8 +130,10 @@ def test_beam_request_batched_with_others_gives_its_solo_result(models):
     others = [(PROMPT_A, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)),
               ([7, 7, 8, 1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=20, temperature=0.9, seed=3, n=2)),
               (list(range(20, 50)), SamplingParams(max_tokens=12, num_beams=2, early_stopping=True))]
-    engine = Engine(ours, config=EngineConfig(block_size=4, max_num_seqs=10, max_num_batched_tokens=12,
-                                              kv_cache_bytes=pool_bytes(ours, 24)), eos_token_ids=[10])
+    # Which steps preempt depends on when the sampled request draws the end token (it frees its blocks);
+    # this budget and pool give both a preemption and a split group for every seed from 0 to 7.
+    engine = Engine(ours, config=EngineConfig(block_size=4, max_num_seqs=10, max_num_batched_tokens=13,
+                                              kv_cache_bytes=pool_bytes(ours, 26)), eos_token_ids=[10])
     ids = [engine.add_request(p, params) for p, params in others[:2]]
     beam_id = engine.add_request(PROMPT_B, beam_params)
     ids.append(engine.add_request(*others[2]))
