@@ -103,12 +103,15 @@ def trl_losses(trainer_cls, config_cls, setup, tmp_path, dataset: list[dict], se
     return seen, trainer
 
 
-@pytest.mark.parametrize("loss,trl_loss", [("dpo", "sigmoid"), ("ipo", "ipo")])
-def test_dpo_and_ipo_steps_equal_trl(setup, tmp_path, loss, trl_loss):
+@pytest.mark.parametrize("loss,trl_loss,nll_weight", [("dpo", "sigmoid", 0), ("ipo", "ipo", 0), ("dpo", "sigmoid", 0.5)])
+def test_dpo_and_ipo_steps_equal_trl(setup, tmp_path, loss, trl_loss, nll_weight):
+    """DPO, IPO and DPO with an NLL term on the chosen answers (RPO: TRL's sigmoid + sft losses)."""
     from trl import DPOConfig, DPOTrainer
 
-    expected, trainer = trl_losses(DPOTrainer, DPOConfig, setup, tmp_path, pairs(), beta=0.1, loss_type=[trl_loss])
-    cfg = config(setup, tmp_path / "ours", loss)
+    kind = {"loss_type": [trl_loss, "sft"], "loss_weights": [1.0, nll_weight]} if nll_weight else \
+        {"loss_type": [trl_loss]}
+    expected, trainer = trl_losses(DPOTrainer, DPOConfig, setup, tmp_path, pairs(), beta=0.1, **kind)
+    cfg = config(setup, tmp_path / "ours", loss, f"--preference.nll_weight={nll_weight}")
     # the same tokens: TRL's tokenized prompts and completions are ours
     data = preference_data(cfg, setup.tokenizer)
     for row, unit in zip(trainer.train_dataset, data.train):
@@ -252,6 +255,8 @@ def test_bad_preference_data_is_refused_with_the_fix(setup, tmp_path):
         preference_data(config(setup, tmp_path, "dpo", f"--data.files={unpaired}"), setup.tokenizer)
     with pytest.raises(ValueError, match="choose one of dpo, ipo, kto, orpo, simpo"):
         config(setup, tmp_path, "ppo")
+    with pytest.raises(ValueError, match="ORPO has its own NLL term"):
+        config(setup, tmp_path, "orpo", "--preference.nll_weight=1")
 
 
 def test_posttrain_cli_runs_each_method(setup, tmp_path, capsys):

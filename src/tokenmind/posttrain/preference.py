@@ -16,6 +16,10 @@ log-ratios r = log π(y|x) − log π_ref(y|x):
 * ORPO (Hong et al. 2024), no reference: the chosen answer's per-token NLL − λ log σ(log odds
   ratio), the odds computed from per-token mean log-probs.
 * SimPO (Meng et al. 2024), no reference: −log σ(β (mean log π(y_w) − mean log π(y_l)) − γ).
+* An NLL term on the chosen answers (RPO, Pang et al. 2024) can be added to DPO, IPO or SimPO with
+  weight α: α × the mean NLL of the micro-batch's chosen tokens, as TRL's "sft" loss term. DPO alone
+  can lower the chosen answer's likelihood along with the rejected one's (both fall, the rejected
+  faster); on verifier-ranked reasoning pairs the NLL term keeps the right answers likely.
 
 The reference model is never kept in memory: its log-probs do not change, so they are computed
 once before training over every unit (the starting weights are the reference; with LoRA that is
@@ -125,10 +129,10 @@ class PreferenceObjective:
     for pairs; desirable/undesirable reward sums and the KL estimate for KTO."""
 
     def __init__(self, loss: str, beta: float, gamma: float = 0.0, desirable_weight: float = 1.0,
-                 undesirable_weight: float = 1.0, logps_fn=sequence_logps) -> None:
+                 undesirable_weight: float = 1.0, nll_weight: float = 0.0, logps_fn=sequence_logps) -> None:
         if loss not in LOSSES:
             raise ValueError(f"unknown preference loss {loss!r}; choose one of {', '.join(LOSSES)}")
-        self.loss, self.beta, self.gamma = loss, beta, gamma
+        self.loss, self.beta, self.gamma, self.nll_weight = loss, beta, gamma, nll_weight
         self.weights = (desirable_weight, undesirable_weight)
         self.logps_fn = logps_fn
 
@@ -145,12 +149,18 @@ class PreferenceObjective:
         losses, chosen, rejected = pair_losses(
             self.loss, logps[first], logps[second], batch.ref_logps[first], batch.ref_logps[second],
             batch.lengths[first], batch.lengths[second], self.beta, self.gamma)
-        return LossTerms(losses.sum(), len(losses), {
-            "reward_accuracy": (chosen > rejected).float().sum(), "reward_margin": (chosen - rejected).sum(),
-            "chosen_reward": chosen.sum(), "rejected_reward": rejected.sum()})
+        total = losses.sum()
+        metrics = {"reward_accuracy": (chosen > rejected).float().sum(), "reward_margin": (chosen - rejected).sum(),
+                   "chosen_reward": chosen.sum(), "rejected_reward": rejected.sum()}
+        if self.nll_weight:
+            # the trainer divides by the pair count, so this adds α × the chosen tokens' mean NLL
+            nll = -logps[first].sum() / batch.lengths[first].sum()
+            total = total + self.nll_weight * nll * len(losses)
+            metrics["chosen_nll"] = nll.detach() * len(losses)
+        return LossTerms(total, len(losses), metrics)
 
     def compiled(self) -> PreferenceObjective:
-        return PreferenceObjective(self.loss, self.beta, self.gamma, *self.weights,
+        return PreferenceObjective(self.loss, self.beta, self.gamma, *self.weights, self.nll_weight,
                                    logps_fn=torch.compile(sequence_logps))
 
 
@@ -229,6 +239,8 @@ class PreferenceSection(SFTSection):
         for ORPO it is λ, the weight of the odds-ratio term. gamma: SimPO's target reward margin.
     desirable_weight/undesirable_weight: KTO's class weights (keep w_d·n_d / (w_u·n_u) in [1, 4/3]).
     kl_group: KTO's mismatched sequences pair each prompt with another answer of its group.
+    nll_weight: α of an NLL term on the chosen answers (RPO; TRL's loss_type=[sigmoid, sft] with
+        loss_weights=[1, α]) for dpo, ipo and simpo; 0 = off (ORPO has its own NLL term).
     max_length: tokens kept per sequence (prompt + answer); 0 = data.seq_len // 2, so any pair fits a row.
     """
 
@@ -239,6 +251,7 @@ class PreferenceSection(SFTSection):
     undesirable_weight: float = 1.0
     kl_group: int = 8
     max_length: int = 0
+    nll_weight: float = 0.0
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
@@ -248,6 +261,10 @@ class PreferenceSection(SFTSection):
         if self.beta <= 0 or self.kl_group < 2 or self.max_length < 0:
             raise ValueError(f"preference.beta must be > 0, kl_group >= 2 and max_length >= 0; got {self.beta}, "
                              f"{self.kl_group}, {self.max_length}")
+        if self.nll_weight < 0 or (self.nll_weight and self.loss in ("kto", "orpo")):
+            raise ValueError(f"preference.nll_weight={self.nll_weight}: it must be >= 0 and adds to dpo, ipo or simpo "
+                             "(ORPO has its own NLL term, KTO has no pairs); set it to 0 for "
+                             f"preference.loss={self.loss}")
 
 
 @dataclass
@@ -326,7 +343,7 @@ def build_preference_trainer(cfg: PreferenceConfig, ctx: DistContext, progress: 
     if prefs.stats["truncated"]:
         warnings.warn(f"{prefs.stats['truncated']} of {prefs.stats['records']} examples were cut to "
                       f"{p.max_length or data.seq_len // 2} tokens (see {out_dir / 'preference_data.json'})")
-    objective = PreferenceObjective(p.loss, p.beta, p.gamma, p.desirable_weight, p.undesirable_weight)
+    objective = PreferenceObjective(p.loss, p.beta, p.gamma, p.desirable_weight, p.undesirable_weight, p.nll_weight)
     return Trainer(cfg, ctx, start.model, loader, val_loader, objective=objective, tokenizer=start.tokenizer,
                    adapter_base=adapter_base(p.init_from))
 
