@@ -54,9 +54,9 @@ PARENT = {"sft": "base", "dpo": "sft", "onpolicy": "sft"}  # the model a stage s
 _EVAL = ("heldout", "tasks", "max_tokens")
 _SFT = ("train", "sft_steps", "sft_lr", "sft_seq", *_EVAL)
 STAGE_SETTINGS = {  # what each stage's cached result depends on
-    "base": ("tasks", "max_tokens"), "sft": _SFT, "dpo": (*_SFT, "steps", "lr", "seq", "beta"),
+    "base": ("tasks", "max_tokens"), "sft": _SFT, "dpo": (*_SFT, "steps", "lr", "seq", "beta", "nll_weight"),
     "onpolicy": (*_SFT, "problems", "samples", "temperature", "threshold", "onpolicy_steps", "onpolicy_lr", "seq",
-                 "beta")}
+                 "beta", "nll_weight")}
 
 
 def stage_settings(stage: str, args: argparse.Namespace) -> dict:
@@ -155,7 +155,8 @@ def dpo_overrides(args: argparse.Namespace, work: Path, stage: str) -> list[str]
     onpolicy = stage == "onpolicy"
     files, val = (work / "onpolicy_pairs" / "pairs.jsonl", 0) if onpolicy else (work / "train.jsonl", 0.1)
     steps, lr = (args.onpolicy_steps, args.onpolicy_lr) if onpolicy else (args.steps, args.lr)
-    return [f"--preference.init_from={work / 'sft'}", f"--preference.beta={args.beta}", f"--data.files={files}",
+    return [f"--preference.init_from={work / 'sft'}", f"--preference.beta={args.beta}",
+            f"--preference.nll_weight={args.nll_weight}", f"--data.files={files}",
             "--data.batch_size=2", f"--data.seq_len={args.seq}", f"--data.val_fraction={val}", "--lora.rank=16",
             "--lora.alpha=32", "--lora.dropout=0", f"--optim.lr={lr}", "--schedule.name=cosine",
             "--schedule.warmup_steps=3", f"--train.steps={steps}", "--train.precision=auto", "--train.eval_every=0",
@@ -281,6 +282,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--lr", type=float, default=5e-4, help="DPO learning rate (LoRA)")
     p.add_argument("--seq", type=int, default=400, help="DPO row length: two pairs fit (a sequence may take half)")
     p.add_argument("--beta", type=float, default=0.1, help="DPO beta (both DPO stages)")
+    p.add_argument("--nll-weight", type=float, default=0.0,
+                   help="weight of an NLL term on the chosen answers (RPO; both DPO stages; 0 = plain DPO)")
     p.add_argument("--problems", type=int, default=24, help="onpolicy: fresh training problems to sample")
     p.add_argument("--samples", type=int, default=6, help="onpolicy: samples per problem")
     p.add_argument("--temperature", type=float, default=0.8, help="onpolicy: sampling temperature")
