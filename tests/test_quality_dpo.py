@@ -58,7 +58,8 @@ def test_onpolicy_dpo_trains_on_the_sampled_pairs_without_a_val_split(quality_dp
     ns = argparse.Namespace(
         beta=0.3, nll_weight=0.5, seq=400, steps=8, lr=5e-4, onpolicy_steps=6, onpolicy_lr=1e-4)
     cfg = load_preference_config(None, quality_dpo.dpo_overrides(ns, tmp_path, "onpolicy"), {"preference.loss": "dpo"})
-    assert cfg.preference.beta == 0.3 and cfg.preference.nll_weight == 0.5 and cfg.optim.lr == 1e-4 and cfg.train.steps == 6
+    assert cfg.preference.beta == 0.3 and cfg.preference.nll_weight == 0.5
+    assert cfg.optim.lr == 1e-4 and cfg.train.steps == 6
     assert cfg.data.val_fraction == 0 and cfg.data.files == [str(tmp_path / "onpolicy_pairs" / "pairs.jsonl")]
     assert cfg.train.out_dir == str(tmp_path / "onpolicy")
 
