@@ -103,7 +103,8 @@ def trl_losses(trainer_cls, config_cls, setup, tmp_path, dataset: list[dict], se
     return seen, trainer
 
 
-@pytest.mark.parametrize("loss,trl_loss,nll_weight", [("dpo", "sigmoid", 0), ("ipo", "ipo", 0), ("dpo", "sigmoid", 0.5)])
+@pytest.mark.parametrize("loss,trl_loss,nll_weight",
+                         [("dpo", "sigmoid", 0), ("ipo", "ipo", 0), ("dpo", "sigmoid", 0.5)])
 def test_dpo_and_ipo_steps_equal_trl(setup, tmp_path, loss, trl_loss, nll_weight):
     """DPO, IPO and DPO with an NLL term on the chosen answers (RPO: TRL's sigmoid + sft losses)."""
     from trl import DPOConfig, DPOTrainer
