@@ -21,7 +21,7 @@ TINY_DIT = ["model.model.kind=dit", "model.model.options={patch_size: 2, hidden_
 
 
 def tiny_speedrun_config(tmp_path):
-    return load_speedrun_config("cpu-diffusion", [
+    return load_speedrun_config("full-diffusion", [
         f"out_dir={tmp_path / 'run'}", f"classifier_dir={tmp_path / 'classifier'}", "threads=0", "classifier_epochs=1",
         *TINY_DIT, "model.data.dataset=digits", "model.data.batch_size=32", "model.train.steps=3",
         "model.train.checkpoint_every=0", "model.train.precision=fp32", "model.schedule.warmup_steps=0",
@@ -59,6 +59,15 @@ def test_speedrun_on_digits_writes_report_and_resumes(tmp_path, monkeypatch):
     monkeypatch.setattr(speedrun_module, "progressive_distillation", fail)
     report.unlink()
     assert speedrun(cfg).read_text() == text
+
+
+def test_packaged_configs_budget_run_and_full_run():
+    budget, full = load_speedrun_config("cpu-diffusion"), load_speedrun_config("full-diffusion")
+    assert budget.name == "cpu-diffusion" and not budget.compare_flow and budget.distill_rounds == 0
+    assert full.name == "full-diffusion" and full.compare_flow and full.distill_rounds == 3
+    assert full.fid_samples == 10_000 > budget.fid_samples
+    assert full.model == budget.model  # the same network, objective and training budget
+    assert full.out_dir != budget.out_dir  # one run does not resume the other's stages
 
 
 def test_speedrun_config_errors_name_the_fix(tmp_path):

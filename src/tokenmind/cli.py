@@ -1424,7 +1424,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "distillation, FID and class accuracy, FID vs steps and guidance, report.md with "
                                     "sample grids; a re-run skips finished stages. Override keys as key=value, e.g. "
                                     "model.train.steps=100 fid_samples=1000.")
-    p.add_argument("--config", default="cpu-diffusion", help="packaged config name (cpu-diffusion) or a YAML path")
+    p.add_argument("--config", default="cpu-diffusion",
+                   help="packaged config: cpu-diffusion (the 15-minute run) or full-diffusion (flow twin, "
+                        "distillation, 10k-sample FID: about an hour); or a YAML path")
     p.set_defaults(func=cmd_diffusion_speedrun, takes_overrides=True)
 
     vision = sub.add_parser("vision", help="vision: a ViT classifier, a CLIP-style contrastive ViT, a LLaVA-style VLM"
