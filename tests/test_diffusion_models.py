@@ -3,6 +3,7 @@ weights, adaLN-Zero's identity at init, the U-Net and VAE shapes, the VAE's loss
 few training steps on sklearn's 8×8 digits, and FID's properties against direct computations."""
 
 import json
+import warnings
 from types import SimpleNamespace
 
 import numpy as np
@@ -244,3 +245,19 @@ def test_fid_is_zero_on_the_same_set_and_grows_with_a_shift(digits, tmp_path):
     assert mu.shape == (3,) and sigma.shape == (3, 3)
     save_classifier(model, tmp_path / "classifier")
     assert class_accuracy(load_classifier(tmp_path / "classifier"), held_out, labels[1400:]) == accuracy
+
+
+def test_frechet_distance_on_rank_deficient_features_is_finite_and_quiet():
+    # dead ReLU units (zero variance) make Σ₁Σ₂ singular, where scipy's sqrtm warns
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(50, 8)), rng.normal(size=(50, 8))
+    x[:, :2], y[:, :1] = 0, 0
+    (mu1, s1), (mu2, s2) = gaussian_stats(x), gaussian_stats(y)
+    w, v = np.linalg.eigh(s1)
+    root1 = (v * np.sqrt(np.clip(w, 0, None))) @ v.T
+    expected = (mu1 - mu2) @ (mu1 - mu2) + np.trace(s1) + np.trace(s2) \
+        - 2 * np.sqrt(np.clip(np.linalg.eigvalsh(root1 @ s2 @ root1), 0, None)).sum()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # scipy's LinAlgWarning would fail here
+        got = frechet_distance(mu1, s1, mu2, s2)
+    assert got == pytest.approx(expected, rel=1e-6)

@@ -21,6 +21,7 @@ conditional samples is the share the classifier assigns to the class they were a
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -140,10 +141,12 @@ def frechet_distance(mu1: np.ndarray, sigma1: np.ndarray, mu2: np.ndarray, sigma
     imaginary parts or fail; then the covariances get a small ridge (1e-6·I), as the reference FID
     code does. Imaginary parts that remain are rounding noise and dropped; large ones are an error."""
     diff = mu1 - mu2
-    covmean = scipy.linalg.sqrtm(sigma1 @ sigma2)
-    if not np.isfinite(covmean).all():
-        ridge = np.eye(len(sigma1)) * 1e-6
-        covmean = scipy.linalg.sqrtm((sigma1 + ridge) @ (sigma2 + ridge))
+    with warnings.catch_warnings():  # "Matrix is singular": rank-deficient features; the checks below decide
+        warnings.simplefilter("ignore", scipy.linalg.LinAlgWarning)
+        covmean = scipy.linalg.sqrtm(sigma1 @ sigma2)
+        if not np.isfinite(covmean).all():
+            ridge = np.eye(len(sigma1)) * 1e-6
+            covmean = scipy.linalg.sqrtm((sigma1 + ridge) @ (sigma2 + ridge))
     if np.iscomplexobj(covmean):
         if not np.allclose(np.diagonal(covmean).imag, 0, atol=1e-3):
             raise ValueError(f"the covariance product's square root has imaginary parts up to "
