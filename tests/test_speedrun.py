@@ -94,6 +94,7 @@ def test_the_moe_speedrun_is_the_cpu_recipe_with_experts_of_the_same_active_widt
                                                                  "shards": "runs/cpu-moe/shards",
                                                                  "tokenizer": "runs/cpu-moe/tokenizer"})
     assert moe.pretrain.train.steps == dense.pretrain.train.steps and moe.sft_sources == dense.sft_sources
+    assert moe.pretrain.train.max_minutes == 0 < dense.pretrain.train.max_minutes  # equal steps, not equal time
     m, d = moe.pretrain.model, dense.pretrain.model
     assert (m.model_type, m.num_experts, m.num_experts_per_tok) == ("mixtral", 8, 2) and d.model_type == "llama"
     router = m.num_hidden_layers * m.hidden_size * m.num_experts

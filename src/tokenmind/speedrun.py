@@ -21,7 +21,7 @@ from .config import Overrides, build_config, read_config, save_resolved
 from .eval.runner import EvalConfig
 from .posttrain.sft import SFTConfig
 from .progress import Stages
-from .train.config import DataSection, RunConfig
+from .train.config import DataSection, RunConfig, TrainSection
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 EVAL_DEFAULTS = {"tasks": ["val_loss", "arc_easy", "mmlu"], "limit": 200}
@@ -257,6 +257,13 @@ def chat_quality(cfg: SpeedrunConfig, pre_dir: Path, sft_dir: Path, out: Path) -
                                                                        "figures": baseline["figures"]}}
 
 
+def budget_note(train: TrainSection, steps_done: int) -> str:
+    """' (of N: the M-minute budget)' when train.max_minutes cut the configured step count, else ''."""
+    if steps_done >= train.steps:
+        return ""
+    return f" (of {train.steps}: what fitted the {train.max_minutes:g}-minute budget, `train.max_minutes`)"
+
+
 def write_report(cfg: SpeedrunConfig, out: Path, timings: dict, tok: dict, data: dict, pre: dict,
                  post: dict, evals: dict, samples: list[dict], chat: dict | None = None) -> Path:
     """The report card: config, data stats, tokens, time, speed, losses, eval scores, samples."""
@@ -278,11 +285,13 @@ def write_report(cfg: SpeedrunConfig, out: Path, timings: dict, tok: dict, data:
              f"- BPE vocabulary {cfg.vocab_size}: {comparison.get('trained', tok.get('bytes_per_token', 0)):.2f} "
              f"bytes/token on held-out text (SmolLM2's tokenizer: {comparison.get('reference', float('nan')):.2f})",
              "", "## Pre-training", "",
-             f"- {pre['steps']} steps, {pre['tokens_seen']:,} tokens seen, {pre['tokens_per_s']:,.0f} tokens/s, "
+             f"- {pre['steps']} steps{budget_note(cfg.pretrain.train, pre['steps'])}, {pre['tokens_seen']:,} tokens "
+             f"seen, {pre['tokens_per_s']:,.0f} tokens/s, "
              f"MFU {100 * (pre['mfu'] or 0):.1f}%",
              f"- final train loss {loss(pre['final_loss'])}, validation loss {loss(pre['final_val_loss'])}", "",
              "![pre-training loss](pretrain/loss.png)", "", *model_comparison(cfg, out), "## SFT", "",
-             f"- {post['steps']} steps, final train loss {loss(post['final_loss'])}, "
+             f"- {post['steps']} steps{budget_note(cfg.sft.train, post['steps'])}, final train loss "
+             f"{loss(post['final_loss'])}, "
              f"validation loss {loss(post['final_val_loss'])}", "", "![SFT loss](sft/loss.png)", "",
              "## Evaluation", "", "| task | n | metric | value |", "| --- | ---: | --- | ---: |"]
     for task, res in evals.get("tasks", {}).items():

@@ -149,9 +149,14 @@ class TrainSection:
     pipeline_microbatches/pipeline_schedule: under pp, the micro-batches each rank's batch is cut
         into (more: a smaller bubble, smaller matmuls) and their order, gpipe or 1f1b.
     device: auto (cuda when available, else cpu), cpu or cuda.
+    max_minutes: a wall-time budget for the loop (0 = none): the trainer times its first steps and
+        fixes the step count once to min(steps, what fits), so a slower machine trains fewer steps
+        with the whole LR schedule (warmup, decay, cool-down) rescaled to them, instead of running
+        over time or stopping mid-schedule (`budget.py`). The count is saved in checkpoints.
     """
 
     steps: int = 1000
+    max_minutes: float = 0.0
     grad_accum: int = 1
     precision: str = "auto"
     gradient_checkpointing: bool = False
@@ -187,6 +192,8 @@ class TrainSection:
         for name in ("eval_every", "checkpoint_every", "keep_last"):
             _check(getattr(self, name) >= 0, f"train.{name} must be >= 0 (0 = off/all), got {getattr(self, name)}")
         _check(self.init_std > 0, f"train.init_std must be > 0, got {self.init_std}")
+        _check(math.isfinite(self.max_minutes) and self.max_minutes >= 0,
+               f"train.max_minutes must be >= 0 (0 = no time budget), got {self.max_minutes}")
         _check(self.peak_flops is None or self.peak_flops > 0,
                f"train.peak_flops must be > 0 or null (auto), got {self.peak_flops}")
         _check(math.isfinite(self.loss_scale) and self.loss_scale > 0,

@@ -119,7 +119,15 @@ class MetricsLogger:
         else:  # val results stay on screen above the bar; plain lines off a terminal
             self.console.print(f"step {record['step']}: {summary}", highlight=False)
 
+    def set_total(self, total_steps: int) -> None:
+        """The run's step count changed (a time budget fixed it): the progress bar follows."""
+        if self._progress is not None:
+            self._progress.update(self._task, total=total_steps)
+
     def _summary(self, record: dict[str, Any]) -> str:
+        if "budget_steps" in record:
+            return (f"time budget: {record['budget_steps']} steps fit ({record['budget_step_s']:.3g} s/step, "
+                    f"{record['elapsed']:.0f} s spent)")
         if "val_loss" in record:
             return f"val_loss {record['val_loss']:.4f}"
         if "loss" not in record:  # an evaluator's numbers

@@ -41,6 +41,7 @@ import functools
 import math
 import operator
 import random
+import statistics
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -95,7 +96,8 @@ from .objectives import LossTerms, NextTokenObjective, Objective
 from .pipeline_parallel import PipelineParallel
 from .optim import build_optimizer
 from .precision import LossScaler
-from .schedule import build_scheduler
+from .budget import PROBE_STEPS, steps_within_budget
+from .schedule import build_scheduler, lr_multiplier
 
 if TYPE_CHECKING:
     from tokenmind.tokenizer import Tokenizer
@@ -197,6 +199,11 @@ class Trainer:
         self.adapter_base = adapter_base
         self.optimizer = build_optimizer(model, cfg.optim, keep_empty_groups=self.pipeline is not None)
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, t.steps)
+        self.total_steps = t.steps  # train.max_minutes may lower it, once (`budget.py`)
+        self.budget_fixed = False
+        self.elapsed_before = 0.0  # loop seconds spent before a resume (counted against the budget)
+        self._loop_started: float | None = None
+        self.clock = time.perf_counter  # what the loop is timed with (tests hand in their own)
 
         self.step = 0
         self.tokens_seen = 0
@@ -227,7 +234,9 @@ class Trainer:
             model=model_state(self.model, self.ctx, trainable_only=self.frozen_base),
             optimizer=optimizer_state(self.model, self.optimizer, self.ctx),
             trainer={"step": self.step, "tokens_seen": self.tokens_seen, "scheduler": self.scheduler.state_dict(),
-                     **({"loss_scaler": self.loss_scaler.state_dict()} if self.loss_scaler else {})},
+                     **({"loss_scaler": self.loss_scaler.state_dict()} if self.loss_scaler else {}),
+                     **({"budget": {"total_steps": self.total_steps if self.budget_fixed else None,
+                                    "elapsed_s": self.elapsed()}} if self.cfg.train.max_minutes else {})},
             rank={"loader": self.loader.state_dict(), "rng": capture_rng(), "fp8": fp8_state(self.model)},
         )
         return save_checkpoint(self.checkpoint_root, self.step, state, self.ctx, self.cfg.train.keep_last)
@@ -242,6 +251,11 @@ class Trainer:
         load_optimizer_state(self.model, self.optimizer, state.optimizer, self.ctx)
         self.scheduler.load_state_dict(state.trainer["scheduler"])
         self.step, self.tokens_seen = state.trainer["step"], state.trainer["tokens_seen"]
+        budget = state.trainer.get("budget") if self.cfg.train.max_minutes else None
+        if budget is not None:
+            self.elapsed_before = budget["elapsed_s"]
+            if budget["total_steps"] is not None:
+                self.set_total_steps(budget["total_steps"])
         self.loader.load_state_dict(state.rank["loader"])
         restore_rng(state.rank["rng"])
         if self.loss_scaler is not None:
@@ -250,6 +264,32 @@ class Trainer:
                                  "train.precision it was trained in")
             self.loss_scaler.load_state_dict(state.trainer["loss_scaler"])
         load_fp8_state(self.model, state.rank.get("fp8", {}))
+
+    # ---- the step count and the time budget ------------------------------------------------------
+
+    def elapsed(self) -> float:
+        """Seconds in the training loop so far, over every process of this run."""
+        running = self.clock() - self._loop_started if self._loop_started is not None else 0.0
+        return self.elapsed_before + running
+
+    def set_total_steps(self, total: int) -> None:
+        """Fix the run's step count: the LR schedule is rebuilt for it, at the current step, and every
+        group's lr set to the new schedule's value there."""
+        position = self.scheduler.state_dict()
+        self.scheduler = build_scheduler(self.optimizer, self.cfg.schedule, total)
+        self.scheduler.load_state_dict(position)
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
+            group["lr"] = base * lr_multiplier(self.cfg.schedule, total, self.scheduler.last_epoch)
+        self.total_steps, self.budget_fixed = total, True
+
+    def _fix_budget(self, seconds_per_step: float, logger: MetricsLogger) -> None:
+        """train.max_minutes: set the step count from the measured rate (the ranks' mean, so all agree)."""
+        rate = float(self.ctx.mean(torch.tensor(seconds_per_step, dtype=torch.float64, device=self.ctx.device)))
+        total = steps_within_budget(self.step, rate, self.elapsed(), 60 * self.cfg.train.max_minutes,
+                                    self.cfg.train.steps)
+        self.set_total_steps(total)
+        logger.set_total(total)
+        logger.log({"step": self.step, "budget_steps": total, "budget_step_s": rate, "elapsed": self.elapsed()})
 
     # ---- the loop --------------------------------------------------------------------------------
 
@@ -351,51 +391,58 @@ class Trainer:
         return path
 
     def train(self) -> TrainResult:
-        """Train from the current step to train.steps; see the module docstring."""
+        """Train from the current step to train.steps (or fewer under train.max_minutes); see the module
+        docstring."""
         t, ctx = self.cfg.train, self.ctx
         if ctx.is_main:
             save_resolved(self.cfg, self.out_dir / "config.yaml")
         metrics_path = self.out_dir / "metrics.jsonl"
-        logger = MetricsLogger(metrics_path, total_steps=t.steps, start_step=self.step, enabled=ctx.is_main,
-                               unit=self.unit)
+        logger = MetricsLogger(metrics_path, total_steps=self.total_steps, start_step=self.step,
+                               enabled=ctx.is_main, unit=self.unit)
         losses: list[float] = []
         timed_tokens, timed_seconds, val_loss = 0, 0.0, None
         checkpoint = latest_checkpoint(self.checkpoint_root)  # stays it if resumed at the end
-        started = time.perf_counter()
+        started = self._loop_started = self.clock()
+        probe: list[float] = []  # step times for the time budget
         if self.evaluator is not None and self.step == 0:
             logger.log({"step": 0, **{f"eval_{name}": v for name, v in self.evaluator().items()}, "elapsed": 0.0})
         self.model.train()
         try:
-            while self.step < t.steps:
-                tick = time.perf_counter()
+            while self.step < self.total_steps:
+                tick = self.clock()
                 stats = self.train_step()
-                seconds = time.perf_counter() - tick
+                seconds = self.clock() - tick
                 loader_stats = self.loader.pop_metrics() if hasattr(self.loader, "pop_metrics") else {}
                 step_tokens = int(loader_stats.pop("tokens", self.tokens_per_step))
                 self.step += 1
                 self.tokens_seen += step_tokens
                 losses.append(stats["loss"])
-                if len(losses) > 1 or self.step == t.steps:  # the first step pays warm-up costs
+                if len(losses) > 1 or self.step == self.total_steps:  # the first step pays warm-up costs
                     timed_tokens, timed_seconds = timed_tokens + step_tokens, timed_seconds + seconds
-                if self.step % t.log_every == 0 or self.step == t.steps:
+                if t.max_minutes and not self.budget_fixed and len(losses) > 1:
+                    probe.append(seconds)
+                    if len(probe) == PROBE_STEPS:
+                        self._fix_budget(statistics.median(probe), logger)
+                if self.step % t.log_every == 0 or self.step == self.total_steps:
                     speed = step_tokens / seconds
                     logger.log({"step": self.step, **stats, **loader_stats, "step_s": seconds,
                                 f"{self.unit}_per_s": speed,
                                 "mfu": mfu(speed, self.flops_per_token, self.peak_flops, ctx.world_size),
-                                self.unit: self.tokens_seen, "elapsed": time.perf_counter() - started})
-                if (t.eval_every and self.step % t.eval_every == 0) or self.step == t.steps:
+                                self.unit: self.tokens_seen, "elapsed": self.clock() - started})
+                if (t.eval_every and self.step % t.eval_every == 0) or self.step == self.total_steps:
                     val = self.evaluate()
                     if val is not None:
                         val_loss = val["loss"]
                         logger.log({"step": self.step, **{f"val_{name}": v for name, v in val.items()},
-                                    "elapsed": time.perf_counter() - started})
+                                    "elapsed": self.clock() - started})
                     if self.evaluator is not None:
                         logger.log({"step": self.step, **{f"eval_{k}": v for k, v in self.evaluator().items()},
-                                    "elapsed": time.perf_counter() - started})
-                if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or self.step == t.steps:
+                                    "elapsed": self.clock() - started})
+                if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or self.step == self.total_steps:
                     checkpoint = self.save()
         finally:
             logger.close()
+            self.elapsed_before, self._loop_started = self.elapsed(), None
         final_model = self.export()
         plot_path = self.out_dir / "loss.png"
         if ctx.is_main:

@@ -1,0 +1,107 @@
+"""train.max_minutes: the trainer fixes its step count once from its measured rate, trains the whole
+LR schedule for that count, and keeps the count over a resume. Timed with a fake clock: every step
+takes one second, the first (compilation, warm-up) five."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_train_helpers import Preempted, one_thread, pretrainer, tiny_config, write_shards  # noqa: F401
+
+from tokenmind.jsonl import read_jsonl
+from tokenmind.train.budget import PROBE_STEPS, steps_within_budget
+from tokenmind.train.config import load_config
+
+WSD = ["--schedule.name=wsd", "--schedule.warmup_steps=2", "--schedule.decay_fraction=0.3"]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_shards(tmp_path_factory.mktemp("shards"))
+
+
+def test_steps_within_budget():
+    assert steps_within_budget(9, 1.0, 13.0, 30.0, 40) == 26  # 17 s left: 17 more steps
+    assert steps_within_budget(9, 1.0, 13.0, 30.0, 20) == 20  # the configured count fits: kept
+    assert steps_within_budget(9, 2.5, 13.0, 30.0, 40) == 15  # floor(17 / 2.5) = 6 more
+    assert steps_within_budget(9, 1.0, 45.0, 30.0, 40) == 9  # already over: stop where it is
+    with pytest.raises(ValueError, match="seconds_per_step"):
+        steps_within_budget(9, 0.0, 13.0, 30.0, 40)
+
+
+def fake_clock(trainer, first: float = 5.0, rest: float = 1.0, die_in_step: int | None = None):
+    """Make `trainer` see a clock on which step 1 of this process takes `first` seconds and every other
+    `rest`; optionally die as a killed job would as step `die_in_step` starts."""
+    now = [1000.0]
+    step = trainer.train_step
+    calls = []
+
+    def timed_step():
+        if die_in_step is not None and trainer.step == die_in_step - 1:
+            raise Preempted
+        now[0] += first if not calls else rest
+        calls.append(trainer.step)
+        return step()
+
+    trainer.clock = lambda: now[0]
+    trainer.train_step = timed_step
+    return trainer
+
+
+def records(out_dir: Path) -> list[dict]:
+    return list(read_jsonl(out_dir / "metrics.jsonl"))
+
+
+def train_losses_and_lrs(out_dir: Path) -> list[tuple[int, float, float]]:
+    return [(r["step"], r["loss"], r["lr"]) for r in records(out_dir) if "loss" in r]
+
+
+def test_budget_fixes_the_step_count_and_trains_the_whole_schedule(shards, tmp_path):
+    cfg = tiny_config(shards, tmp_path / "budget", "--train.steps=40", "--train.max_minutes=0.5", *WSD)
+    result = fake_clock(pretrainer(cfg)).train()
+    # steps 2..9 are the probe (1 s each); 5 + 8 = 13 s spent at step 9, 17 s left: 17 more steps
+    assert result.steps == 26
+    budget = [r for r in records(tmp_path / "budget") if "budget_steps" in r]
+    assert len(budget) == 1 and budget[0]["step"] == 1 + PROBE_STEPS and budget[0]["budget_steps"] == 26
+    assert budget[0]["budget_step_s"] == 1.0
+    # decided in WSD's stable phase, so the run is exactly a 26-step run: same losses, same lrs,
+    # cool-down to min_lr_ratio included
+    plain = tiny_config(shards, tmp_path / "plain", "--train.steps=26", *WSD)
+    pretrainer(plain).train()
+    got, want = train_losses_and_lrs(tmp_path / "budget"), train_losses_and_lrs(tmp_path / "plain")
+    assert got == want and len(got) == 26
+    assert got[-1][2] == pytest.approx(plain.optim.lr * plain.schedule.min_lr_ratio)
+
+
+def test_budget_that_fits_the_configured_steps_changes_nothing(shards, tmp_path):
+    cfg = tiny_config(shards, tmp_path / "run", "--train.steps=12", "--train.max_minutes=10", *WSD)
+    assert fake_clock(pretrainer(cfg)).train().steps == 12
+
+
+def test_resume_keeps_the_fixed_step_count_and_the_time_spent(shards, tmp_path):
+    overrides = ["--train.steps=40", "--train.max_minutes=0.5", "--train.checkpoint_every=4", *WSD]
+    whole = tiny_config(shards, tmp_path / "whole", *overrides)
+    fake_clock(pretrainer(whole)).train()
+    cfg = tiny_config(shards, tmp_path / "run", *overrides)
+    with pytest.raises(Preempted):  # killed in step 15: the step-12 checkpoint holds the count
+        fake_clock(pretrainer(cfg), die_in_step=15).train()
+    # a slower machine on resume: a fresh probe would now fit fewer steps; the count stays 26
+    result = fake_clock(pretrainer(cfg), first=3.0, rest=3.0).train()
+    assert result.steps == 26
+    assert train_losses_and_lrs(tmp_path / "run") == train_losses_and_lrs(tmp_path / "whole")
+
+
+def test_resume_before_the_decision_counts_the_time_already_spent(shards, tmp_path):
+    overrides = ["--train.steps=40", "--train.max_minutes=0.5", "--train.checkpoint_every=4", *WSD]
+    cfg = tiny_config(shards, tmp_path / "run", *overrides)
+    with pytest.raises(Preempted):  # killed in step 6, before the probe finished: 5 + 3 = 8 s spent at step 4
+        fake_clock(pretrainer(cfg), die_in_step=6).train()
+    # the resumed process: step 5 pays 5 s of warm-up again, steps 6..13 are its probe;
+    # 8 + 5 + 8 = 21 s spent at step 13, 9 s left: 9 more steps
+    assert fake_clock(pretrainer(cfg)).train().steps == 22
+
+
+def test_max_minutes_must_not_be_negative():
+    with pytest.raises(ValueError, match="max_minutes"):
+        load_config(None, ["--train.max_minutes=-1"])
