@@ -10,8 +10,9 @@ import pytest
 from test_train_helpers import Preempted, one_thread, pretrainer, tiny_config, write_shards  # noqa: F401
 
 from tokenmind.jsonl import read_jsonl
-from tokenmind.train.budget import PROBE_STEPS, steps_within_budget
-from tokenmind.train.config import load_config
+from tokenmind.train.budget import PROBE_STEPS, same_lr_so_far, steps_within_budget
+from tokenmind.train.config import ScheduleSection, load_config
+from tokenmind.train.schedule import lr_multiplier
 
 WSD = ["--schedule.name=wsd", "--schedule.warmup_steps=2", "--schedule.decay_fraction=0.3"]
 
@@ -30,9 +31,24 @@ def test_steps_within_budget():
         steps_within_budget(9, 0.0, 13.0, 30.0, 40)
 
 
-def fake_clock(trainer, first: float = 5.0, rest: float = 1.0, die_in_step: int | None = None):
+@pytest.mark.parametrize("name", ["wsd", "cosine", "constant"])
+def test_same_lr_so_far_is_sound_against_the_schedule(name):
+    cfg = ScheduleSection(name=name, warmup_steps=5, decay_fraction=0.3)
+    allowed = 0
+    for a, b in ((40, 60), (60, 40), (40, 41), (30, 90)):
+        for done in range(1, min(a, b) + 1):
+            same = all(lr_multiplier(cfg, a, s) == lr_multiplier(cfg, b, s) for s in range(done))
+            if same_lr_so_far(cfg, done, a, b):
+                allowed += 1
+                assert same, (a, b, done)  # never allows a change that rewrites the lr of a step taken
+    assert allowed >= 4 * 5  # and does allow it through warmup at least
+
+
+def fake_clock(trainer, first: float = 5.0, rest: float = 1.0, die_in_step: int | None = None,
+               until: tuple[int, float] = (0, 0.0)):
     """Make `trainer` see a clock on which step 1 of this process takes `first` seconds and every other
-    `rest`; optionally die as a killed job would as step `die_in_step` starts."""
+    `rest` (steps up to until[0] take until[1]); optionally die as a killed job would as step `die_in_step`
+    starts."""
     now = [1000.0]
     step = trainer.train_step
     calls = []
@@ -40,7 +56,7 @@ def fake_clock(trainer, first: float = 5.0, rest: float = 1.0, die_in_step: int 
     def timed_step():
         if die_in_step is not None and trainer.step == die_in_step - 1:
             raise Preempted
-        now[0] += first if not calls else rest
+        now[0] += first if not calls else until[1] if trainer.step < until[0] else rest
         calls.append(trainer.step)
         return step()
 
@@ -63,8 +79,7 @@ def test_budget_fixes_the_step_count_and_trains_the_whole_schedule(shards, tmp_p
     # steps 2..9 are the probe (1 s each); 5 + 8 = 13 s spent at step 9, 17 s left: 17 more steps
     assert result.steps == 26
     budget = [r for r in records(tmp_path / "budget") if "budget_steps" in r]
-    assert len(budget) == 1 and budget[0]["step"] == 1 + PROBE_STEPS and budget[0]["budget_steps"] == 26
-    assert budget[0]["budget_step_s"] == 1.0
+    assert [(r["step"], r["budget_steps"], r["budget_step_s"]) for r in budget] == [(1 + PROBE_STEPS, 26, 1.0)]
     # decided in WSD's stable phase, so the run is exactly a 26-step run: same losses, same lrs,
     # cool-down to min_lr_ratio included
     plain = tiny_config(shards, tmp_path / "plain", "--train.steps=26", *WSD)
@@ -72,6 +87,27 @@ def test_budget_fixes_the_step_count_and_trains_the_whole_schedule(shards, tmp_p
     got, want = train_losses_and_lrs(tmp_path / "budget"), train_losses_and_lrs(tmp_path / "plain")
     assert got == want and len(got) == 26
     assert got[-1][2] == pytest.approx(plain.optim.lr * plain.schedule.min_lr_ratio)
+
+
+def budget_records(out_dir: Path) -> list[tuple[int, int]]:
+    return [(r["step"], r["budget_steps"]) for r in records(out_dir) if "budget_steps" in r]
+
+
+def test_later_faster_steps_raise_the_count_while_the_schedule_allows(shards, tmp_path):
+    # steps 2..9 take 2 s, then 1 s. At step 9: 5 + 16 = 21 s spent, 39 s left at 2 s: 19 more (28).
+    # At step 17: 29 s spent, 31 left at 1 s: 48, and WSD's stable phase (decay from step 20 of 28,
+    # 34 of 48) has not ended, so the count becomes 48; the run ends on the minute.
+    cfg = tiny_config(shards, tmp_path / "budget", "--train.steps=100", "--train.max_minutes=1", *WSD)
+    assert fake_clock(pretrainer(cfg), until=(9, 2.0)).train().steps == 48
+    assert budget_records(tmp_path / "budget") == [(9, 28), (17, 48)]
+    pretrainer(tiny_config(shards, tmp_path / "plain", "--train.steps=48", *WSD)).train()
+    assert train_losses_and_lrs(tmp_path / "budget") == train_losses_and_lrs(tmp_path / "plain")
+    # a cosine schedule decays from its warmup's end: the second estimate would change the lr of steps
+    # already taken, so the first count stays
+    cosine = tiny_config(shards, tmp_path / "cosine", "--train.steps=100", "--train.max_minutes=1",
+                         "--schedule.name=cosine", "--schedule.warmup_steps=2")
+    assert fake_clock(pretrainer(cosine), until=(9, 2.0)).train().steps == 28
+    assert budget_records(tmp_path / "cosine") == [(9, 28)]
 
 
 def test_budget_that_fits_the_configured_steps_changes_nothing(shards, tmp_path):

@@ -139,9 +139,9 @@ class TrainSection:
         extra headroom 2^margin (`Fp8Recipe`).
     eval_every/checkpoint_every: in optimizer steps; 0 = only at the end. keep_last: checkpoints
         kept on disk (0 = all). log_every: steps between JSONL lines / console updates.
-    peak_flops: the hardware peak MFU divides by, per device. None picks the measured peak for
-        the precision: on this project's 2-core CPU a 1024³ matmul runs ~1.0e12 FLOP/s in bf16
-        (AMX) and ~9e10 in fp32; on H100/H200, the dense datasheet peaks (989e12 bf16).
+    peak_flops: the hardware peak MFU divides by, per device. None: on a CPU, a 1024³ matmul in
+        the precision measured at start (an AMX Xeon's 2 cores ran ~1.0e12 FLOP/s in bf16 and ~9e10
+        in fp32, an AVX2 EPYC's ~1.4e11 in fp32); on H100/H200, the dense datasheet peaks (989e12 bf16).
     resume: continue from the newest checkpoint in out_dir if there is one.
     distributed: none, ddp, fsdp (FSDP2), ep (ddp with a mixture of experts' experts split
         across the ranks, `expert_parallel.py`), tp (tensor parallelism, `tensor_parallel.py`) or

@@ -25,8 +25,10 @@ file always describes the one run the checkpoints describe.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +40,25 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from tokenmind.jsonl import read_jsonl
 from tokenmind.model.config import ModelConfig
 
-# (device-name substring, dense bf16 peak, fp32 peak) FLOP/s per device. The CPU numbers are this
-# project's machine (2 cores, AMX): a 1024³ matmul measured ~1.0e12 in bf16 and ~9e10 in fp32.
-# GPU numbers are NVIDIA's dense (no sparsity) datasheet values; fp32 means non-TF32 matmuls.
+# (device-name substring, dense bf16 peak, fp32 peak) FLOP/s per device: NVIDIA's dense (no
+# sparsity) datasheet values; fp32 means non-TF32 matmuls. CPUs differ too much to list: measured.
 _PEAKS = (("H100", 989e12, 67e12), ("H200", 989e12, 67e12), ("A100", 312e12, 19.5e12))
-CPU_PEAK_BF16, CPU_PEAK_FP32 = 1.0e12, 9.0e10
+
+
+@functools.cache
+def measured_cpu_peak(dtype: torch.dtype, threads: int, size: int = 1024) -> float:
+    """This CPU's matmul FLOP/s in `dtype` on `threads` threads: the best of a few size³ matmuls (a
+    fixed table went wrong across machines: one machine's fp32 peak is another's 60%)."""
+    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+    best, spent = math.inf, 0.0
+    for _ in range(4):  # the first warms up the kernel; an emulated dtype (bf16 on AVX2) stops after a second
+        start = time.perf_counter()
+        torch.mm(a, b)
+        seconds = time.perf_counter() - start
+        best, spent = min(best, seconds), spent + seconds
+        if spent > 1.0:
+            break
+    return 2 * size**3 / best
 
 
 def matmul_parameters(cfg: ModelConfig) -> int:
@@ -60,11 +76,12 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 
 def default_peak_flops(device: torch.device, precision: str) -> float | None:
-    """The per-device peak FLOP/s MFU divides by, or None for an unknown GPU (set train.peak_flops).
-    fp16 and fp8 (whose FP8 GEMMs are simulated, `model/fp8.py`) are measured against the bf16 peak."""
+    """The per-device peak FLOP/s MFU divides by, or None for an unknown GPU (set train.peak_flops):
+    on a CPU a dense matmul measured here, with the threads training uses. fp16 and fp8 (whose FP8
+    GEMMs are simulated, `model/fp8.py`) are measured against the bf16 peak."""
     low = precision != "fp32"
     if device.type == "cpu":
-        return CPU_PEAK_BF16 if low else CPU_PEAK_FP32
+        return measured_cpu_peak(torch.bfloat16 if low else torch.float32, torch.get_num_threads())
     name = torch.cuda.get_device_name(device)
     for key, bf16, fp32 in _PEAKS:
         if key in name:

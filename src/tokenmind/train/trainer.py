@@ -96,7 +96,7 @@ from .objectives import LossTerms, NextTokenObjective, Objective
 from .pipeline_parallel import PipelineParallel
 from .optim import build_optimizer
 from .precision import LossScaler
-from .budget import PROBE_STEPS, steps_within_budget
+from .budget import PROBE_STEPS, same_lr_so_far, steps_within_budget
 from .schedule import build_scheduler, lr_multiplier
 
 if TYPE_CHECKING:
@@ -199,8 +199,8 @@ class Trainer:
         self.adapter_base = adapter_base
         self.optimizer = build_optimizer(model, cfg.optim, keep_empty_groups=self.pipeline is not None)
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, t.steps)
-        self.total_steps = t.steps  # train.max_minutes may lower it, once (`budget.py`)
-        self.budget_fixed = False
+        self.total_steps = t.steps  # train.max_minutes may lower it (`budget.py`)
+        self.budget_applied = False
         self.elapsed_before = 0.0  # loop seconds spent before a resume (counted against the budget)
         self._loop_started: float | None = None
         self.clock = time.perf_counter  # what the loop is timed with (tests hand in their own)
@@ -235,7 +235,7 @@ class Trainer:
             optimizer=optimizer_state(self.model, self.optimizer, self.ctx),
             trainer={"step": self.step, "tokens_seen": self.tokens_seen, "scheduler": self.scheduler.state_dict(),
                      **({"loss_scaler": self.loss_scaler.state_dict()} if self.loss_scaler else {}),
-                     **({"budget": {"total_steps": self.total_steps if self.budget_fixed else None,
+                     **({"budget": {"total_steps": self.total_steps if self.budget_applied else None,
                                     "elapsed_s": self.elapsed()}} if self.cfg.train.max_minutes else {})},
             rank={"loader": self.loader.state_dict(), "rng": capture_rng(), "fp8": fp8_state(self.model)},
         )
@@ -280,13 +280,17 @@ class Trainer:
         self.scheduler.load_state_dict(position)
         for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
             group["lr"] = base * lr_multiplier(self.cfg.schedule, total, self.scheduler.last_epoch)
-        self.total_steps, self.budget_fixed = total, True
+        self.total_steps, self.budget_applied = total, True
 
-    def _fix_budget(self, seconds_per_step: float, logger: MetricsLogger) -> None:
-        """train.max_minutes: set the step count from the measured rate (the ranks' mean, so all agree)."""
+    def _apply_budget(self, seconds_per_step: float, logger: MetricsLogger) -> None:
+        """train.max_minutes: the step count from the measured rate (the ranks' mean, so all agree); the
+        first estimate always applies, later ones only where they keep the LR of the steps taken."""
         rate = float(self.ctx.mean(torch.tensor(seconds_per_step, dtype=torch.float64, device=self.ctx.device)))
         total = steps_within_budget(self.step, rate, self.elapsed(), 60 * self.cfg.train.max_minutes,
                                     self.cfg.train.steps)
+        if self.budget_applied and (
+                total == self.total_steps or not same_lr_so_far(self.cfg.schedule, self.step, self.total_steps, total)):
+            return
         self.set_total_steps(total)
         logger.set_total(total)
         logger.log({"step": self.step, "budget_steps": total, "budget_step_s": rate, "elapsed": self.elapsed()})
@@ -419,10 +423,10 @@ class Trainer:
                 losses.append(stats["loss"])
                 if len(losses) > 1 or self.step == self.total_steps:  # the first step pays warm-up costs
                     timed_tokens, timed_seconds = timed_tokens + step_tokens, timed_seconds + seconds
-                if t.max_minutes and not self.budget_fixed and len(losses) > 1:
+                if t.max_minutes and len(losses) > 1:
                     probe.append(seconds)
-                    if len(probe) == PROBE_STEPS:
-                        self._fix_budget(statistics.median(probe), logger)
+                    if len(probe) % PROBE_STEPS == 0:
+                        self._apply_budget(statistics.median(probe[-PROBE_STEPS:]), logger)
                 if self.step % t.log_every == 0 or self.step == self.total_steps:
                     speed = step_tokens / seconds
                     logger.log({"step": self.step, **stats, **loader_stats, "step_s": seconds,
