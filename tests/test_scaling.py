@@ -58,6 +58,22 @@ def test_parameter_and_flop_counts_agree_with_the_model() -> None:
     assert measured_flops_per_token(cfg, 256) - measured == pytest.approx(flops_per_token(cfg, 256) - counted, rel=0.1)
 
 
+def test_a_frozen_base_counts_no_weight_gradients() -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from tokenmind.model.lora import LoRAConfig, add_lora
+
+    cfg = model_config(64, 2, VOCAB, 32)
+    model = add_lora(Transformer(cfg), LoRAConfig(rank=1))  # every projection adapted: the base is frozen
+    ids = torch.randint(0, cfg.vocab_size, (1, 32))
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten()).backward()
+    frozen = flops_per_token(cfg, 32, frozen_base=True)
+    assert counter.get_total_flops() / 32 == pytest.approx(frozen, rel=0.1)
+    assert frozen < 0.8 * flops_per_token(cfg, 32)
+
+
 def test_bad_grids_are_refused_with_the_fix() -> None:
     with pytest.raises(ValueError, match="multiple of 32"):
         ScalingConfig(sizes=[[48, 2]])

@@ -224,7 +224,7 @@ class Trainer:
         MFU): data.batch_size × data.seq_len tokens per micro-batch, and the Transformer's count."""
         cfg = self.cfg
         return (cfg.data.batch_size * cfg.data.seq_len * cfg.train.grad_accum * self.ctx.data_world_size,
-                flops_per_token(self.model.cfg, cfg.data.seq_len))
+                flops_per_token(self.model.cfg, cfg.data.seq_len, self.frozen_base))
 
     # ---- checkpoints -----------------------------------------------------------------------------
 
