@@ -94,12 +94,13 @@ def budget_records(out_dir: Path) -> list[tuple[int, int]]:
 
 
 def test_later_faster_steps_raise_the_count_while_the_schedule_allows(shards, tmp_path):
-    # steps 2..9 take 2 s, then 1 s. At step 9: 5 + 16 = 21 s spent, 39 s left at 2 s: 19 more (28).
-    # At step 17: 29 s spent, 31 left at 1 s: 48, and WSD's stable phase (decay from step 20 of 28,
-    # 34 of 48) has not ended, so the count becomes 48; the run ends on the minute.
+    # steps 2..9 take 2 s, then 1 s; the rate is the median of the timed steps. At step 9: 5 + 16 = 21 s
+    # spent, 39 s left at 2 s: 19 more (28). At step 17: 29 s spent, 31 left at 1.5 s: 37. At step 25:
+    # 37 s spent, 23 left at 1 s: 48. WSD's stable phase has not ended at either (decay from step 20
+    # of 28, 26 of 37, 34 of 48), so each new count applies; the run ends on the minute.
     cfg = tiny_config(shards, tmp_path / "budget", "--train.steps=100", "--train.max_minutes=1", *WSD)
     assert fake_clock(pretrainer(cfg), until=(9, 2.0)).train().steps == 48
-    assert budget_records(tmp_path / "budget") == [(9, 28), (17, 48)]
+    assert budget_records(tmp_path / "budget") == [(9, 28), (17, 37), (25, 48)]
     pretrainer(tiny_config(shards, tmp_path / "plain", "--train.steps=48", *WSD)).train()
     assert train_losses_and_lrs(tmp_path / "budget") == train_losses_and_lrs(tmp_path / "plain")
     # a cosine schedule decays from its warmup's end: the second estimate would change the lr of steps

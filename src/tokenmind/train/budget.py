@@ -19,7 +19,8 @@ import math
 
 from .config import ScheduleSection
 
-PROBE_STEPS = 8  # timed steps the rate is measured over (their median: one slow step does not skew it)
+PROBE_STEPS = 8  # timed steps before the first estimate, and between estimates; the rate is the median
+# of every timed step so far (one slow step, an evaluation say, does not skew it)
 
 
 def steps_within_budget(step: int, seconds_per_step: float, elapsed_s: float, budget_s: float,

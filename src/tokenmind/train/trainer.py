@@ -426,7 +426,7 @@ class Trainer:
                 if t.max_minutes and len(losses) > 1:
                     probe.append(seconds)
                     if len(probe) % PROBE_STEPS == 0:
-                        self._apply_budget(statistics.median(probe[-PROBE_STEPS:]), logger)
+                        self._apply_budget(statistics.median(probe), logger)
                 if self.step % t.log_every == 0 or self.step == self.total_steps:
                     speed = step_tokens / seconds
                     logger.log({"step": self.step, **stats, **loader_stats, "step_s": seconds,
