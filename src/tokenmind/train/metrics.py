@@ -51,7 +51,7 @@ def measured_cpu_peak(dtype: torch.dtype, threads: int, size: int = 1024) -> flo
     fixed table went wrong across machines: one machine's fp32 peak is another's 60%)."""
     a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
     best, spent = math.inf, 0.0
-    for _ in range(4):  # the first warms up the kernel; an emulated dtype (bf16 on AVX2) stops after a second
+    for _ in range(10):  # the first warms up the kernel; an emulated dtype (bf16 on AVX2) stops after a second
         start = time.perf_counter()
         torch.mm(a, b)
         seconds = time.perf_counter() - start
