@@ -20,8 +20,8 @@ conditional samples is the share the classifier assigns to the class they were a
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 import warnings
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np

@@ -282,6 +282,12 @@ class Trainer:
             group["lr"] = base * lr_multiplier(self.cfg.schedule, total, self.scheduler.last_epoch)
         self.total_steps, self.budget_applied = total, True
 
+    def _budget_adjustable(self) -> bool:
+        """Whether a new estimate could still change the step count (before the first one, or while the
+        steps taken would keep their LR): past that, step times are no longer collected."""
+        return not self.budget_applied or same_lr_so_far(self.cfg.schedule, self.step, self.total_steps,
+                                                          self.total_steps)
+
     def _apply_budget(self, seconds_per_step: float, logger: MetricsLogger) -> None:
         """train.max_minutes: the step count from the measured rate (the ranks' mean, so all agree); the
         first estimate always applies, later ones only where they keep the LR of the steps taken."""
@@ -423,7 +429,7 @@ class Trainer:
                 losses.append(stats["loss"])
                 if len(losses) > 1 or self.step == self.total_steps:  # the first step pays warm-up costs
                     timed_tokens, timed_seconds = timed_tokens + step_tokens, timed_seconds + seconds
-                if t.max_minutes and len(losses) > 1:
+                if t.max_minutes and len(losses) > 1 and self._budget_adjustable():
                     probe.append(seconds)
                     if len(probe) % PROBE_STEPS == 0:
                         self._apply_budget(statistics.median(probe), logger)
