@@ -165,6 +165,29 @@ def test_state_policy_conditions_on_the_block_pose_without_a_cnn():
     assert both.encoder is not None and both.cond_dim == 2 * (8 + 2 + 4)
 
 
+def test_a_state_policy_plays_the_same_episodes_without_rendering():
+    """The evaluator steps a state policy in an env that renders nothing: its actions must not change."""
+    from tokenmind.embodied.demos import run_episode
+    from tokenmind.embodied.env import make_env
+
+    runner = ChunkingPolicy(tiny_policy(obs_mode="state"), seed=0)
+    assert not runner.reads_pixels and ChunkingPolicy(tiny_policy(), seed=0).reads_pixels
+    played = []
+
+    def play(env):
+        actions = []
+        act = runner.act
+        runner.act = lambda obs: actions.append(act(obs)) or actions[-1]
+        ep = run_episode(env, runner, seed=7, max_steps=12, keep_frames=False)
+        del runner.act
+        played.append((np.stack(actions), ep["coverage"]))
+
+    play(make_env())
+    play(make_env(pixels=False))
+    (seen, seen_cov), (blind, blind_cov) = played
+    assert seen.shape == (12, 2) and np.array_equal(seen, blind) and seen_cov == blind_cov
+
+
 def test_obs_mode_mismatches_name_the_fix(tmp_path):
     with pytest.raises(ValueError, match="obs_mode='depth' is not one of pixels, state"):
         DiffusionPolicyConfig(obs_mode="depth")

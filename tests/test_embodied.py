@@ -46,6 +46,58 @@ def test_env_observations():
     assert np.array_equal(a["block_pose"], b["block_pose"])
 
 
+class Looking:
+    """Wraps a policy as if it read the camera: the evaluator must then render every episode."""
+
+    reads_pixels = True
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def reset(self):
+        self.policy.reset()
+
+    def act(self, obs):
+        assert "pixels" in obs
+        return self.policy.act(obs)
+
+    def bind(self, env):
+        if hasattr(self.policy, "bind"):
+            self.policy.bind(env)
+
+
+def test_an_env_without_camera_gives_the_same_states_unrendered():
+    seen, blind = make_env(), make_env(pixels=False)
+    a, _ = seen.reset(seed=4)
+    b, _ = blind.reset(seed=4)
+    assert set(b) == {"agent_pos", "block_pose"} and blind.observation_space["block_pose"].shape == (3,)
+    for action in ([300.0, 200.0], [120.0, 380.0], [250.0, 250.0]):
+        a, _, _, _, info_a = seen.step(np.array(action))
+        b, _, _, _, info_b = blind.step(np.array(action))
+        assert all(np.array_equal(a[k], b[k]) for k in b) and info_a["coverage"] == info_b["coverage"]
+
+
+def test_evaluation_renders_only_the_strips_of_a_policy_that_does_not_look(tmp_path):
+    """A baseline that reads no pixels plays unrendered episodes except its strips, with the same results."""
+    fast = evaluate_policy(RandomPolicy(seed=3), n_episodes=3, seed=40, max_steps=20, strip_dir=tmp_path / "a",
+                           n_strips=1, name="random")
+    rendered = evaluate_policy(Looking(RandomPolicy(seed=3)), n_episodes=3, seed=40, max_steps=20,
+                               strip_dir=tmp_path / "b", n_strips=1, name="random")
+    assert fast["episodes"] == rendered["episodes"] and len(fast["strips"]) == 1
+    assert (tmp_path / "a" / "random_seed40.png").read_bytes() == (tmp_path / "b" / "random_seed40.png").read_bytes()
+
+
+def test_a_solved_episode_played_unrendered_gets_its_strip_by_replay(tmp_path):
+    from tokenmind.embodied.expert import ScriptedExpert
+
+    fast = evaluate_policy(ScriptedExpert(), n_episodes=1, seed=1000, strip_dir=tmp_path / "a", n_strips=0,
+                           name="expert")
+    rendered = evaluate_policy(Looking(ScriptedExpert()), n_episodes=1, seed=1000, strip_dir=tmp_path / "b",
+                               n_strips=0, name="expert")
+    assert fast["episodes"] == rendered["episodes"] and fast["success_rate"] == 1.0
+    assert (tmp_path / "a" / "expert_seed1000.png").read_bytes() == (tmp_path / "b" / "expert_seed1000.png").read_bytes()
+
+
 def test_state_copy_is_exact_and_replays_identically():
     env = make_env(pixels=False)
     env.reset(seed=3)

@@ -44,21 +44,23 @@ def test_packaged_state_config_trains_the_state_policy():
 
 
 @pytest.mark.slow
-def test_speedrun_end_to_end(tmp_path, capsys):
-    main(["embodied", "speedrun", *tiny_overrides(tmp_path)])
+@pytest.mark.parametrize("config", [None, "cpu-pusht"], ids=["default-state", "pixels"])
+def test_speedrun_end_to_end(tmp_path, capsys, config):
+    main(["embodied", "speedrun", *(["--config", config] if config else []), *tiny_overrides(tmp_path)])
+    cfg = load_speedrun_config(config or "cpu-pusht-state", tiny_overrides(tmp_path))  # the default is the state run
+    label, prefix = policy_name(cfg.policy)
     out = tmp_path / "run"
     report = (out / "report.md").read_text()
     assert f"report: {out / 'report.md'}" in capsys.readouterr().out
-    for name in ("diffusion policy", "scripted expert", "random"):
+    for name in (label, "scripted expert", "random"):
         assert f"| {name} | " in report
     assert (out / "policy" / "loss.png").is_file() and "policy/loss.png" in report
     assert (out / "demos" / "data.npz").is_file() and "recorded in this run" in report
     strips = sorted(p.name for p in (out / "strips").glob("*.png"))
-    assert strips == ["diffusion_policy_seed1000.png", "expert_seed1000.png", "random_seed1000.png"]
+    assert strips == [f"{prefix}_seed1000.png", "expert_seed1000.png", "random_seed1000.png"]
     assert all(f"strips/{name}" in report for name in strips)
     stages = json.loads((out / "stages.json").read_text())
     assert list(stages) == ["demos", "train", "eval_policy", "eval_expert", "eval_random"]
     assert stages["eval_policy"]["result"]["n_episodes"] == 2 and stages["train"]["result"]["steps"] == 3
     # a re-run skips every finished stage and writes the same tables
-    cfg = load_speedrun_config("cpu-pusht", tiny_overrides(tmp_path))
     assert speedrun(cfg).read_text().split("## Results")[1] == report.split("## Results")[1]

@@ -1503,8 +1503,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "-> evaluation over seeded episodes -> report.md with a results table, loss curve "
                                    "and frame strips; a re-run skips finished stages. Override keys as key=value, "
                                    "e.g. policy.train.steps=100 eval_episodes=10.")
-    p.add_argument("--config", default="cpu-pusht", help="packaged config name (cpu-pusht: pixels; cpu-pusht-state: "
-                   "agent + block pose) or a YAML path")
+    p.add_argument("--config", default="cpu-pusht-state", help="packaged config name (cpu-pusht-state, the default: "
+                   "the policy reads the agent and block pose; cpu-pusht: camera frames) or a YAML path")
     p.set_defaults(func=cmd_embodied_speedrun, takes_overrides=True)
 
     tok = sub.add_parser("tokenizer", help="tokenizer commands").add_subparsers(dest="tokenizer_command",

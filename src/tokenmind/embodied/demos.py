@@ -44,7 +44,8 @@ OPTIONAL_COLUMNS = {"block_pose": np.float32}  # None when absent (folders recor
 class Policy(Protocol):
     """What the recorder and `evaluate.evaluate_policy` drive: `reset()` before each episode, then
     `act(obs)` → the (2,) target position for obs = {"pixels", "agent_pos", "block_pose"}. A policy that
-    plans from the simulator's full state (the scripted expert) also has `bind(env)`, called after each env reset."""
+    plans from the simulator's full state (the scripted expert) also has `bind(env)`, called after each env reset.
+    `reads_pixels = False` (absent: True) tells the evaluator it may step an env that renders no frames."""
 
     def reset(self) -> None: ...
 
@@ -119,23 +120,22 @@ class Demonstrations:
 
 
 def run_episode(env, policy, seed: int, max_steps: int = MAX_STEPS, keep_frames: bool = True) -> dict:
-    """One seeded episode: {"seed", "success", "steps", "max_coverage", "final_coverage", "coverage" (per
-    step), and with keep_frames "pixels", "agent_pos", "block_pose", "action" (per step, before it) and "last_pixels"
-    (the frame after the last step)}. Stops at success or
-    max_steps."""
+    """One seeded episode: {"seed", "success", "steps", "max_coverage", "final_coverage", "coverage" and
+    "action" (per step), and with keep_frames "pixels", "agent_pos", "block_pose" (per step, before its
+    action) and "last_pixels" (the frame after the last step)}. Stops at success or max_steps."""
     obs, _ = env.reset(seed=seed)
     policy.reset()
     if hasattr(policy, "bind"):
         policy.bind(env)
-    frames = {"pixels": [], "agent_pos": [], "block_pose": [], "action": []}
-    covs, success = [], False
+    frames = {"pixels": [], "agent_pos": [], "block_pose": []}
+    covs, actions, success = [], [], False
     for _ in range(max_steps):
         action = np.asarray(policy.act(obs), dtype=np.float32).reshape(2)
+        actions.append(action)
         if keep_frames:
             frames["pixels"].append(obs["pixels"])
             frames["agent_pos"].append(np.asarray(obs["agent_pos"], dtype=np.float32))
             frames["block_pose"].append(np.asarray(obs["block_pose"], dtype=np.float32))
-            frames["action"].append(action)
         obs, _, terminated, truncated, info = env.step(action)
         covs.append(float(info["coverage"]))
         if info["is_success"]:
@@ -143,8 +143,18 @@ def run_episode(env, policy, seed: int, max_steps: int = MAX_STEPS, keep_frames:
         if terminated or truncated:
             break
     out = {"seed": seed, "success": success, "steps": len(covs), "max_coverage": max(covs, default=0.0),
-           "final_coverage": covs[-1] if covs else 0.0, "coverage": covs}
+           "final_coverage": covs[-1] if covs else 0.0, "coverage": covs, "action": actions}
     return {**out, **frames, "last_pixels": obs["pixels"]} if keep_frames else out
+
+
+def replay_frames(env, seed: int, actions: list[np.ndarray]) -> list[np.ndarray]:
+    """The frames of the episode seeded `seed` in which `actions` were taken (the physics is deterministic):
+    the first observation's and one after each action, as `run_episode`'s pixels + last_pixels."""
+    obs, _ = env.reset(seed=seed)
+    frames = [obs["pixels"]]
+    for action in actions:
+        frames.append(env.step(action)[0]["pixels"])
+    return frames
 
 
 def record_demonstrations(out_dir: str | Path | None, n_episodes: int, seed: int = 0, policy=None,

@@ -29,31 +29,36 @@ FPS = 10  # control rate: one action per 0.1 s
 
 class BlockPoseObservation(gymnasium.ObservationWrapper):
     """Adds "block_pose" (x, y, θ of the block body, as `PushTState` reads it) to the env's observation
-    dict: the low-dimensional state a state-based policy conditions on."""
+    dict: the low-dimensional state a state-based policy conditions on. Over the env's "state" observation
+    type (no camera) the observation becomes {"agent_pos", "block_pose"}: the same two entries, with no
+    frame rendered."""
 
     def __init__(self, env: gymnasium.Env):
         super().__init__(env)
-        self.observation_space = gymnasium.spaces.Dict({
-            **env.observation_space.spaces,
-            "block_pose": gymnasium.spaces.Box(-np.inf, np.inf, shape=(3,), dtype=np.float64)})
+        pose = gymnasium.spaces.Box(-np.inf, np.inf, shape=(3,), dtype=np.float64)
+        self.has_camera = isinstance(env.observation_space, gymnasium.spaces.Dict)
+        spaces = (env.observation_space.spaces if self.has_camera else
+                  {"agent_pos": gymnasium.spaces.Box(0, 512, shape=(2,), dtype=np.float64)})
+        self.observation_space = gymnasium.spaces.Dict({**spaces, "block_pose": pose})
 
-    def observation(self, observation: dict) -> dict:
-        block = self.env.unwrapped.block
-        return {**observation, "block_pose": np.array([*block.position, block.angle], dtype=np.float64)}
+    def observation(self, observation) -> dict:
+        u = self.env.unwrapped
+        pose = np.array([*u.block.position, u.block.angle], dtype=np.float64)
+        if self.has_camera:
+            return {**observation, "block_pose": pose}
+        return {"agent_pos": np.array(u.agent.position), "block_pose": pose}
 
 
 def make_env(seed: int | None = None, render_size: int = 96, pixels: bool = True) -> gymnasium.Env:
     """PushT-v0 with {"pixels", "agent_pos", "block_pose"} observations (frames `render_size`² RGB). With a seed, the
     env's RNG is seeded (by one `reset(seed=seed)`): the episodes that later `reset()` calls draw are
-    reproducible. `pixels=False` gives the 5-vector state observation and skips rendering (about 5×
-    faster), for planning and tests that do not look."""
+    reproducible. `pixels=False` skips rendering (about 5× faster): observations {"agent_pos", "block_pose"},
+    for planning, state policies and baselines that do not look."""
     import gym_pusht  # noqa: F401  (registers the env id)
 
     kwargs = {"obs_type": "pixels_agent_pos", "observation_width": render_size,
               "observation_height": render_size} if pixels else {"obs_type": "state"}
-    env = gymnasium.make(ENV_ID, render_mode="rgb_array", **kwargs)
-    if pixels:
-        env = BlockPoseObservation(env)
+    env = BlockPoseObservation(gymnasium.make(ENV_ID, render_mode="rgb_array", **kwargs))
     if seed is not None:
         env.reset(seed=seed)
         env.action_space.seed(seed)

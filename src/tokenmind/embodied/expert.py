@@ -103,6 +103,8 @@ class ScriptedExpert:
     """Plans pushes by simulated lookahead (module docstring). `bind(env)` after each reset gives it the
     simulator to read the state from; `act(obs)` then returns the next target position."""
 
+    reads_pixels = False
+
     def __init__(self, horizon: int = 8, overhead: float = OVERHEAD):
         self.horizon, self.overhead = horizon, overhead
         self.sim = make_env(pixels=False)

@@ -38,6 +38,7 @@ class ChunkingPolicy:
             self.keys["pixels"] = np.uint8
         if getattr(cfg, "uses_block_pose", False):
             self.keys["block_pose"] = np.float32
+        self.reads_pixels = "pixels" in self.keys
         self.device = next(model.parameters()).device
         self.generator = torch.Generator()
         self.observations: deque[dict[str, np.ndarray]] = deque(maxlen=cfg.n_obs_steps)

@@ -66,10 +66,11 @@ class EmbodiedSpeedrunConfig:
             raise ValueError(f"n_strips must be >= 0, got {self.n_strips}")
 
 
-def load_speedrun_config(name_or_path: str = "cpu-pusht", overrides: Overrides = ()) -> EmbodiedSpeedrunConfig:
-    """A packaged config (`cpu-pusht` → configs/embodied_speedrun.yaml, the pixel policy;
-    `cpu-pusht-state` → embodied_speedrun_state.yaml, the state policy) or a YAML path, then `key=value`
-    overrides such as `policy.train.steps=10`."""
+def load_speedrun_config(name_or_path: str = "cpu-pusht-state", overrides: Overrides = ()) -> EmbodiedSpeedrunConfig:
+    """A packaged config (`cpu-pusht-state` → configs/embodied_speedrun_state.yaml, the state policy, the
+    default: it solves PushT in a third of the episodes within 30 minutes on 2 cores; `cpu-pusht` →
+    embodied_speedrun.yaml, the pixel policy) or a YAML path, then `key=value` overrides such as
+    `policy.train.steps=10`."""
     path = Path(name_or_path)
     if not path.exists():
         if name_or_path not in PACKAGED:
