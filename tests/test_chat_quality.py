@@ -4,7 +4,7 @@ import pytest
 from test_serve_fixtures import tiny_pretrained
 
 from tokenmind.eval.chat_quality import (MC_LETTER, chat_answers, evaluate_chat, judge_preference,
-                                         load_chat_prompts, mean_nll, passes)
+                                         load_chat_prompts, mean_nll, passes, reference_nll)
 
 
 def test_checks_match_whole_words_phrases_groups_and_counts():
@@ -46,6 +46,12 @@ def test_figures_on_a_tiny_model():
     assert result["fluency_ratio"] > 0 and result["nll"] > 0
     pref = result["preference"]
     assert pref["wins"] + pref["losses"] + pref["ties"] == 6
+    reference = reference_nll(pre.model, pre.tokenizer, items)  # computed once, passed in: the same figures
+    assert result["reference_nll"] == pytest.approx(reference)
+    again = evaluate_chat(pre.model, pre.tokenizer, pre.model, pre.tokenizer, prompts=items, max_tokens=8,
+                          reference=2 * reference)  # the given denominator is the one used, not recomputed
+    assert again["nll"] == pytest.approx(result["nll"])
+    assert again["fluency_ratio"] == pytest.approx(result["fluency_ratio"] / 2)
 
 
 def test_the_judge_prefers_the_likelier_answer_in_both_orders():

@@ -232,7 +232,7 @@ def link_final(out: Path, model_dir: Path) -> Path:
 def chat_quality(cfg: SpeedrunConfig, pre_dir: Path, sft_dir: Path, out: Path) -> dict[str, Any]:
     """The chat figures along the run (the pre-trained model, each SFT checkpoint, the final model)
     and, for the final model, the judge's preference against `chat_baseline`; plots the curve."""
-    from .eval.chat_quality import evaluate_chat, load_baseline, plot_curve, save_baseline
+    from .eval.chat_quality import evaluate_chat, load_baseline, plot_curve, reference_nll, save_baseline
     from .model.load import load_model
     from .train.checkpoint import list_checkpoints, load_checkpoint_weights
 
@@ -245,11 +245,12 @@ def chat_quality(cfg: SpeedrunConfig, pre_dir: Path, sft_dir: Path, out: Path) -
         model.load_state_dict(load_checkpoint_weights(ckpt))
         points.append((f"SFT step {int(ckpt.name.split('_')[1])}", model))
     curve = []
+    reference = reference_nll(judge.model, judge.tokenizer)  # once: every point shares it
     for name, model in points:
-        r = evaluate_chat(model, final.tokenizer, judge.model, judge.tokenizer)
+        r = evaluate_chat(model, final.tokenizer, judge.model, judge.tokenizer, reference=reference)
         curve.append({"point": name, "on_topic": r["on_topic"], "fluency_ratio": r["fluency_ratio"]})
     result = evaluate_chat(final.model, final.tokenizer, judge.model, judge.tokenizer,
-                           baseline and baseline["answers"])
+                           baseline and baseline["answers"], reference=reference)
     curve.append({"point": "final", "on_topic": result["on_topic"], "fluency_ratio": result["fluency_ratio"]})
     save_baseline(result, cfg.name, out / "chat_answers.json")
     plot_curve(curve, out / "chat_quality.png")

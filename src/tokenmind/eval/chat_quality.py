@@ -167,10 +167,19 @@ def judge_preference(judge, tokenizer, questions: Sequence[str], first: Sequence
             "corrected_wins": corrected_wins, "corrected_losses": corrected_losses}
 
 
+def reference_nll(judge, judge_tokenizer, prompts: Sequence[dict[str, Any]] | None = None) -> float:
+    """The judge's mean per-token NLL of the prompts' hand-written reference answers: fluency's
+    denominator, the same for every model scored with this judge."""
+    items = list(prompts) if prompts is not None else load_chat_prompts()
+    return mean_nll(judge, judge_tokenizer, [it["prompt"] for it in items], [it["reference"] for it in items])
+
+
 def evaluate_chat(model, tokenizer, judge=None, judge_tokenizer=None, baseline: Sequence[str] | None = None,
-                  prompts: Sequence[dict[str, Any]] | None = None, max_tokens: int = 64) -> dict[str, Any]:
+                  prompts: Sequence[dict[str, Any]] | None = None, max_tokens: int = 64,
+                  reference: float | None = None) -> dict[str, Any]:
     """All figures for `model` on the chat prompts; fluency and preference need the `judge`;
-    preference also needs `baseline` answers (one per prompt, e.g. an earlier recipe's)."""
+    preference also needs `baseline` answers (one per prompt, e.g. an earlier recipe's). reference:
+    `reference_nll` of this judge and these prompts when already computed (scoring several models)."""
     items = list(prompts) if prompts is not None else load_chat_prompts()
     questions = [it["prompt"] for it in items]
     answers = chat_answers(model, tokenizer, questions, max_tokens)
@@ -189,7 +198,7 @@ def evaluate_chat(model, tokenizer, judge=None, judge_tokenizer=None, baseline: 
     if judge is not None:
         jt = judge_tokenizer
         ours = mean_nll(judge, jt, questions, [a or "." for a in answers])
-        ref = mean_nll(judge, jt, questions, [it["reference"] for it in items])
+        ref = reference if reference is not None else reference_nll(judge, jt, items)
         result.update(nll=ours, reference_nll=ref, fluency_ratio=ours / ref)
         if baseline is not None:
             if len(baseline) != len(items):
