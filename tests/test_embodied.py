@@ -95,7 +95,8 @@ def test_a_solved_episode_played_unrendered_gets_its_strip_by_replay(tmp_path):
     rendered = evaluate_policy(Looking(ScriptedExpert()), n_episodes=1, seed=1000, strip_dir=tmp_path / "b",
                                n_strips=0, name="expert")
     assert fast["episodes"] == rendered["episodes"] and fast["success_rate"] == 1.0
-    assert (tmp_path / "a" / "expert_seed1000.png").read_bytes() == (tmp_path / "b" / "expert_seed1000.png").read_bytes()
+    strip = "expert_seed1000.png"
+    assert (tmp_path / "a" / strip).read_bytes() == (tmp_path / "b" / strip).read_bytes()
 
 
 def test_state_copy_is_exact_and_replays_identically():
