@@ -16,9 +16,13 @@ Measures, as medians of interleaved repeats: batch-1 greedy decode tok/s (`engin
 new tokens after a short prompt) and 512-token prefill tok/s (last-position logits only); once:
 perplexity on a held-out English text and the bytes held by the weights. `--kernels` also times
 one matmul over the whole SmolLM2 weight set at batch 1 for each kernel/dtype pair, and
-`--crossover` the fused kernel against dequantize + bf16 F.linear as the row count grows.
+`--crossover` the fused kernel against dequantize + bf16 F.linear as the row count grows, and
+`--native` PyTorch's int4/int8 kernels (bf16 activations) against tokenmind's native ones
+(model/native_kernels.c, float32 activations) over the whole weight set, as the row count grows:
+what each layer's `native_max_rows` is set from.
 
-    python benchmarks/bench_quant.py [--repeats 3] [--kernels] [--crossover 1,16,64,128] [--out f.json]
+    python benchmarks/bench_quant.py [--repeats 3] [--kernels] [--crossover 1,16,64,128] [--native 1,2,4,16,64]
+                                     [--out f.json]
 """
 
 from __future__ import annotations
@@ -147,6 +151,30 @@ def crossover_table(models, rows_list, repeats: int) -> dict:
     return out
 
 
+def native_table(model, rows_list, repeats: int) -> dict:
+    """PyTorch's kernel (bf16 activations) vs the native kernel (fp32) over every linear, per row count."""
+    from tokenmind.model import native
+    from tokenmind.model.quant import Int4Linear, Int8Linear
+
+    if not native.available():
+        return {"skipped": "the native kernels do not run here (no AVX2 or no C compiler)"}
+    weights = [m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    layers = {"int4_g32": [Int4Linear.from_float(w) for w in weights], "int8": [Int8Linear.from_float(w) for w in weights]}
+    layers = {name: [m for m in mods if m._native_ready()] for name, mods in layers.items()}
+    out = {}
+    for rows in rows_list:
+        fns = {}
+        for name, mods in layers.items():
+            xs = [torch.randn(rows, m.padded_in) for m in mods]
+            fns[f"{name}/pytorch_bf16"] = lambda mods=mods, xs=[x.bfloat16() for x in xs]: [
+                m._kernel(x) for m, x in zip(mods, xs)]
+            fns[f"{name}/native_fp32"] = lambda mods=mods, xs=xs: [m._native_kernel(x) for m, x in zip(mods, xs)]
+        ms = medians(fns, repeats, scale=1e3)
+        out[rows] = {**ms, **{f"{name}/speedup": round(ms[f"{name}/pytorch_bf16"] / ms[f"{name}/native_fp32"], 2)
+                              for name in layers}}
+    return {"ms_per_weight_set": out}
+
+
 @torch.inference_mode()
 def medians(fns: dict, repeats: int, scale: float = 1.0) -> dict:
     for fn in fns.values():  # warm-up
@@ -170,6 +198,7 @@ def main() -> None:
     ap.add_argument("--no-ppl", action="store_true")
     ap.add_argument("--kernels", action="store_true", help="also time each matmul kernel/dtype at batch 1")
     ap.add_argument("--crossover", default="", help="row counts for kernel vs dequant timing, e.g. 1,16,64,128")
+    ap.add_argument("--native", default="", help="row counts for PyTorch's vs the native kernels, e.g. 1,2,4,16")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args()
@@ -256,6 +285,9 @@ def main() -> None:
     }
     if args.kernels:
         report["kernels"] = kernel_table(pretrained.model, max(args.repeats, 5))
+    if args.native:
+        report["native"] = native_table(pretrained.model, [int(r) for r in args.native.split(",")],
+                                        max(args.repeats, 5))
     if args.crossover:
         rows = [int(r) for r in args.crossover.split(",")]
         report["crossover"] = crossover_table({k: v for k, v in models.items() if k not in ("fp32", "bf16")}, rows,

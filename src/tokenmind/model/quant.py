@@ -16,6 +16,11 @@ kernels: above `kernel_max_rows` rows (prefill) the layer instead dequantizes it
 compute dtype and calls `F.linear`, which runs on AMX in bf16. compute_dtype=float32 is the exact
 mode (slow): the effective weight is then reproduced bit for bit, which is what the GGUF tests use.
 
+On CPUs where PyTorch runs its AVX2 kernels (no AVX-512), whose int4/int8 paths reach only 2.7-3.5 G
+weights/s, a bf16-compute layer's kernel calls go to tokenmind's own (`native.py`, `native_kernels.c`):
+the same packed weights and bf16 scales, float32 activations quantized to int16 per 32 columns, no
+casts around the call.
+
 `DynamicInt8Linear` quantizes the activations too, per call (fbgemm's dynamic linear): the int8
 arithmetic pays off when the matmul is compute-bound (many rows), as in a sentence encoder's batches.
 
@@ -44,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import native
 from .cpu import cpu_has_avx512_vnni, cpu_has_native_bf16
 
 SCHEMES = ("int8", "int4")
@@ -94,6 +100,21 @@ class QuantizedLinear(nn.Module):
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def _native_layout_ok(self) -> bool:
+        return False
+
+    def _native_ready(self) -> bool:
+        """Whether `native_kernels.c` takes the kernel's calls (bf16 compute dtype only: float32 stays the exact
+        mode). It beats PyTorch's kernels at every row count they take on AVX2 (bench_quant.py --native), and
+        its activations keep ~15 bits against bf16's 8. Decided once: the layout does not change."""
+        ready = self.__dict__.get("_native_ok")
+        if ready is None:
+            ready = self.__dict__["_native_ok"] = native.preferred() and self._native_layout_ok()
+        return ready and self._buffers["weight"].device.type == "cpu"
+
+    def _native_kernel(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         raise NotImplementedError
 
@@ -104,10 +125,13 @@ class QuantizedLinear(nn.Module):
         buffers, dtype = self._buffers, self.compute_dtype
         # the fused kernels have no backward: a QLoRA step needing the input's gradient takes the dequantized path
         if 0 < rows.shape[0] <= self.kernel_max_rows and not (x.requires_grad and torch.is_grad_enabled()):
+            use_native = dtype == torch.bfloat16 and self._native_ready()
+            if use_native:  # float32 activations in, float32 out: no casts around the kernel
+                dtype = torch.float32
             x2 = rows if rows.dtype == dtype else rows.to(dtype)
             if self.padded_in != self.in_features:
                 x2 = F.pad(x2, (0, self.padded_in - self.in_features))
-            y = self._kernel(x2.contiguous())
+            y = self._native_kernel(x2.contiguous()) if use_native else self._kernel(x2.contiguous())
         else:
             dtype = self._matmul_dtype(x)
             y = F.linear(rows.to(dtype), self.dequantize(dtype))
@@ -167,6 +191,13 @@ class Int8Linear(QuantizedLinear):
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         buffers = self._buffers
         return torch._weight_int8pack_mm(x, buffers["weight"], buffers["scales"])
+
+    def _native_layout_ok(self) -> bool:
+        return self.padded_in % 32 == 0
+
+    def _native_kernel(self, x: torch.Tensor) -> torch.Tensor:
+        buffers = self._buffers
+        return native.int8_matmul(x, buffers["weight"], buffers["scales"])
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         w = self.weight[:, :self.in_features]
@@ -234,6 +265,14 @@ class Int4Linear(QuantizedLinear):
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         buffers = self._buffers
         return torch._weight_int4pack_mm_for_cpu(x, buffers["weight"], self.group_size, buffers["scales_and_zeros"])
+
+    def _native_layout_ok(self) -> bool:
+        return self.out_features % _int4_block_rows() == 0  # whole blocks of the packing; padded_in % 32 == 0
+
+    def _native_kernel(self, x: torch.Tensor) -> torch.Tensor:
+        buffers = self._buffers
+        return native.int4_matmul(x, buffers["weight"], buffers["scales_and_zeros"], _int4_block_rows(),
+                                  self.group_size)
 
     def codes(self) -> torch.Tensor:
         """The (out, padded_in) uint8 codes in [0, 15]."""

@@ -1,0 +1,136 @@
+"""The native decode kernels (`native_kernels.c`): compiled once per machine with the system C compiler, loaded with ctypes.
+
+Why C and not a PyTorch extension: the file includes no PyTorch header, so it compiles in about a
+second (a `torch.utils.cpp_extension` build takes ~90 s on 2 cores), and the kernels take raw
+pointers. The library goes to `~/.cache/tokenmind/native/` under a name that hashes the source and
+the compiler command, written to a temporary name and renamed. It is linked against OpenMP, which
+resolves to the `libgomp.so.1` PyTorch has already loaded, so both share one thread pool.
+
+`available()` is false where the CPU lacks AVX2/FMA, no compiler works, or `TOKENMIND_NATIVE=0` is
+set (a failed build warns once). The quantized linears take them where `preferred()`: where PyTorch
+itself runs its AVX2 kernels (no AVX-512), whose int4/int8 paths are the slow ones there; on AVX-512
+CPUs PyTorch's own kernels stay unless `TOKENMIND_NATIVE=1` asks for these.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from .cpu import cpu_flags
+
+SOURCE = Path(__file__).with_name("native_kernels.c")
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TOKENMIND_CACHE", Path.home() / ".cache" / "tokenmind")) / "native"
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
+def _library_path(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    key = hashlib.sha256(SOURCE.read_bytes() + repr((compiler, version, CFLAGS)).encode()).hexdigest()[:16]
+    return cache_dir() / f"tokenmind_kernels-{key}.so"
+
+
+def build(compiler: str) -> Path:
+    """Compile the kernels (if this source and compiler have not been built before); the library's path."""
+    target = _library_path(compiler)
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{compiler} failed on {SOURCE.name}:\n{done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def usable_cpu() -> bool:
+    """Linux on an x86-64 CPU with AVX2 and FMA: what the kernels are written for."""
+    return platform.system() == "Linux" and platform.machine() == "x86_64" and {"avx2", "fma"} <= cpu_flags()
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None where they cannot run here (reason in the one warning, if any)."""
+    if os.environ.get("TOKENMIND_NATIVE", "1") == "0" or not usable_cpu():
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        warnings.warn("no C compiler (cc/gcc) found: int4/int8 decode runs on PyTorch's slower kernels. "
+                      "Install one (e.g. `apt install gcc`) or set TOKENMIND_NATIVE=0 to silence this.", stacklevel=2)
+        return None
+    try:
+        lib = ctypes.CDLL(str(build(compiler)))
+    except (OSError, RuntimeError) as err:
+        warnings.warn(f"the native kernels could not be built, so int4/int8 decode runs on PyTorch's kernels: {err}",
+                      stacklevel=2)
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.tm_int4_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
+    lib.tm_int8_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
+    lib.tm_int4_matmul.restype = lib.tm_int8_matmul.restype = ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def preferred() -> bool:
+    """Whether the quantized linears should run these kernels rather than PyTorch's (see the module docstring)."""
+    forced = os.environ.get("TOKENMIND_NATIVE") == "1"
+    return available() and (forced or torch.backends.cpu.get_cpu_capability() == "AVX2")
+
+
+def _threads(weights: int) -> int:
+    # A small matrix is done before a second thread would start on it.
+    return torch.get_num_threads() if weights >= 1 << 18 else 1
+
+
+def _checked(status: int) -> None:
+    if status:
+        raise MemoryError("the native kernel could not allocate its activation buffers")
+
+
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, block_rows: int,
+                group_size: int) -> torch.Tensor:
+    """x (M, K) float32 @ the int4pack weight (N, K/2) with bf16 (K/group, N, 2) scales → (M, N) float32.
+    Needs N % 32 == 0 and K % 32 == 0 (see `int4_supported`)."""
+    m, k = x.shape
+    n = packed.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    _checked(library().tm_int4_matmul(x.data_ptr(), m, k, packed.data_ptr(), scales_and_zeros.data_ptr(), n,
+                                      block_rows, group_size, y.data_ptr(), _threads(n * k)))
+    return y
+
+
+def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x (M, K) float32 @ (weight (N, K) int8 · bf16 scales (N,)).T → (M, N) float32; K % 32 == 0."""
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    _checked(library().tm_int8_matmul(x.data_ptr(), m, k, weight.data_ptr(), scales.data_ptr(), n, y.data_ptr(),
+                                      _threads(n * k)))
+    return y

@@ -1,0 +1,253 @@
+/* Weight-only int4 / int8 matmuls for few activation rows (decode), AVX2 + FMA, built by model/native.py.
+ *
+ * PyTorch's CPU int4/int8 kernels run at 2.7-3.5 G weights/s on an AVX2-only CPU, well under what memory
+ * bandwidth allows for 4-bit weights. These kernels quantize each activation row to int16 per block of 32
+ * columns (scale = max|x| / 32767, so the activations keep ~15 bits against bf16's 8) and sum code x
+ * activation products in int32 with _mm256_madd_epi16, converting to float once per block.
+ *
+ * int4 reads PyTorch's own packing (`torch._convert_weight_to_int4pack_for_cpu`, layout in
+ * model/quant.py's docstring): rows in blocks of B (32 or 64); block viewed as (K, B/2) bytes, byte
+ * [k, j] holds row j in its low and row B/2 + j in its high nibble. Scales and zeros are the
+ * (K / group, N, 2) bf16 tensor of that kernel, w = (q - 8) * s + z. So no second copy of the weights.
+ * int8 reads the (N, K) int8 weight with one bf16 scale per row.
+ *
+ * Every output is y[m, n] = sum over 32-column blocks of s * dx * sum((q - 8) * xq) + z * sum(x)
+ * (int4) or s[n] * sum(dx * sum(q * xq)) (int8), in a fixed order: a row's result does not depend on
+ * how many other rows are in the call, or on the thread count.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+/* Per row m and 32-column block b: xq = round(x / dx) with dx = max|x| / 32767, the exact float sum of
+ * x, and 8 * sum(xq) (the int4 codes' offset of 8, taken out in integers). */
+static void quantize_rows(const float *x, int64_t M, int64_t K, int16_t *xq, float *dx, float *sx, int32_t *sq8) {
+    const int64_t nb = K / 32;
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + m * K + b * 32;
+            int16_t *qb = xq + m * K + b * 32;
+            float amax = 0.0f, sum = 0.0f;
+            for (int j = 0; j < 32; j++) {
+                float a = fabsf(xb[j]);
+                amax = a > amax ? a : amax;
+                sum += xb[j];
+            }
+            const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+            int32_t qsum = 0;
+            for (int j = 0; j < 32; j++) {
+                long v = lrintf(xb[j] * inv);
+                v = v > 32767 ? 32767 : (v < -32767 ? -32767 : v);
+                qb[j] = (int16_t)v;
+                qsum += (int32_t)v;
+            }
+            dx[m * nb + b] = amax / 32767.0f;
+            sx[m * nb + b] = sum;
+            sq8[m * nb + b] = 8 * qsum;
+        }
+    }
+}
+
+/* (s, z) bf16 pairs of 8 consecutive rows -> s and z as float vectors (bf16 is the top half of a float). */
+static inline void load_scales(const uint16_t *sz, __m256 *s, __m256 *z) {
+    __m256i v = _mm256_loadu_si256((const __m256i *)sz);
+    *s = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    *z = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
+/* The 16 (code at k, code at k + 1) int16 pairs of one 16-byte chunk's rows at columns k and k + 1:
+ * e[0], e[1] the low-nibble rows 0-7 and 8-15, e[2], e[3] the high-nibble rows. */
+static inline void expand_pair(const uint8_t *p, int64_t half, __m256i e[4]) {
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    __m128i a = _mm_loadu_si128((const __m128i *)p), c = _mm_loadu_si128((const __m128i *)(p + half));
+    __m128i alo = _mm_and_si128(a, mask), clo = _mm_and_si128(c, mask);
+    __m128i ahi = _mm_and_si128(_mm_srli_epi16(a, 4), mask), chi = _mm_and_si128(_mm_srli_epi16(c, 4), mask);
+    e[0] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(alo, clo));
+    e[1] = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(alo, clo));
+    e[2] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(ahi, chi));
+    e[3] = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(ahi, chi));
+}
+
+static inline __m256i x_pair(const int16_t *x) {  /* (x[0], x[1]) broadcast to every int32 lane */
+    return _mm256_set1_epi32((int32_t)(((uint32_t)(uint16_t)x[1] << 16) | (uint16_t)x[0]));
+}
+
+/* One 32-column block's integer sums acc (per row: sum of code * xq) into the float results f. */
+static inline void int4_finish_block(const __m256i acc[4], const uint16_t *sz, int64_t N, int64_t g, int64_t lo_row,
+                                     int64_t hi_row, float dx, float sx, int32_t sq8, __m256 f[4]) {
+    const __m256i off = _mm256_set1_epi32(sq8);
+    const __m256 vdx = _mm256_set1_ps(dx), vsx = _mm256_set1_ps(sx);
+    for (int i = 0; i < 4; i++) {
+        const int64_t row = (i < 2 ? lo_row : hi_row) + 8 * (i & 1);
+        __m256 s, z;
+        load_scales(sz + 2 * (g * N + row), &s, &z);
+        __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc[i], off)), vdx);
+        f[i] = _mm256_fmadd_ps(s, t, _mm256_fmadd_ps(z, vsx, f[i]));
+    }
+}
+
+/* Integer sums of one 32-column block for `nm` (1 or 2) activation rows, expanding the codes in registers. */
+static inline __attribute__((always_inline)) void int4_block_sums(const uint8_t *p, int64_t half, const int16_t *x0,
+                                                                  const int16_t *x1, const int nm, __m256i acc0[4],
+                                                                  __m256i acc1[4]) {
+    for (int i = 0; i < 4; i++)
+        acc0[i] = acc1[i] = _mm256_setzero_si256();
+    for (int k = 0; k < 16; k++) {
+        __m256i e[4];
+        expand_pair(p + 2 * k * half, half, e);
+        const __m256i xp0 = x_pair(x0 + 2 * k);
+        for (int i = 0; i < 4; i++)
+            acc0[i] = _mm256_add_epi32(acc0[i], _mm256_madd_epi16(e[i], xp0));
+        if (nm == 2) {
+            const __m256i xp1 = x_pair(x1 + 2 * k);
+            for (int i = 0; i < 4; i++)
+                acc1[i] = _mm256_add_epi32(acc1[i], _mm256_madd_epi16(e[i], xp1));
+        }
+    }
+}
+
+/* Add one block's sums for activation row m into y (the running float results live in y). */
+static inline void int4_add_block(const __m256i acc[4], const uint16_t *sz, int64_t N, int64_t g, int64_t lo_row,
+                                  int64_t hi_row, const float *dx, const float *sx, const int32_t *sq8, int64_t i_b,
+                                  float *yr) {
+    __m256 f[4];
+    for (int i = 0; i < 4; i++)
+        f[i] = _mm256_loadu_ps(yr + (i < 2 ? lo_row : hi_row) + 8 * (i & 1));
+    int4_finish_block(acc, sz, N, g, lo_row, hi_row, dx[i_b], sx[i_b], sq8[i_b], f);
+    for (int i = 0; i < 4; i++)
+        _mm256_storeu_ps(yr + (i < 2 ? lo_row : hi_row) + 8 * (i & 1), f[i]);
+}
+
+/* 32 output rows of one int4 block (16 in the low nibbles at `lo_row`, 16 in the high at `hi_row`)
+ * for M activation rows. `blk` points at byte [0, 16c] of the block's (K, B/2) view. Up to 3 rows
+ * expand the codes in registers, one or two rows per pass; more rows expand each 32-column block
+ * once into `codes` and reuse it. */
+static void int4_rows32(const uint8_t *blk, int64_t half, const uint16_t *sz, int64_t N, int64_t K, int64_t group,
+                        int64_t M, const int16_t *xq, const float *dx, const float *sx, const int32_t *sq8,
+                        float *y, int64_t lo_row, int64_t hi_row) {
+    const int64_t nb = K / 32;
+    __m256i codes[16][4], acc0[4], acc1[4];
+    for (int64_t m = 0; m < M; m++)
+        for (int i = 0; i < 4; i++)
+            _mm256_storeu_ps(y + m * N + (i < 2 ? lo_row : hi_row) + 8 * (i & 1), _mm256_setzero_ps());
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = blk + b * 32 * half;
+        const int64_t g = (b * 32) / group;
+        if (M < 4) {
+            for (int64_t m = 0; m < M; m += 2) {
+                const int16_t *x0 = xq + m * K + b * 32;
+                if (m + 1 < M) {
+                    int4_block_sums(p, half, x0, x0 + K, 2, acc0, acc1);
+                    int4_add_block(acc1, sz, N, g, lo_row, hi_row, dx, sx, sq8, (m + 1) * nb + b, y + (m + 1) * N);
+                } else {
+                    int4_block_sums(p, half, x0, x0, 1, acc0, acc1);
+                }
+                int4_add_block(acc0, sz, N, g, lo_row, hi_row, dx, sx, sq8, m * nb + b, y + m * N);
+            }
+            continue;
+        }
+        for (int k = 0; k < 16; k++)
+            expand_pair(p + 2 * k * half, half, codes[k]);
+        for (int64_t m = 0; m < M; m++) {
+            const int16_t *xb = xq + m * K + b * 32;
+            for (int i = 0; i < 4; i++)
+                acc0[i] = _mm256_setzero_si256();
+            for (int k = 0; k < 16; k++) {
+                const __m256i xp = x_pair(xb + 2 * k);
+                for (int i = 0; i < 4; i++)
+                    acc0[i] = _mm256_add_epi32(acc0[i], _mm256_madd_epi16(codes[k][i], xp));
+            }
+            int4_add_block(acc0, sz, N, g, lo_row, hi_row, dx, sx, sq8, m * nb + b, y + m * N);
+        }
+    }
+}
+
+static void *alloc_aligned(size_t bytes) {
+    void *p = NULL;
+    return posix_memalign(&p, 64, bytes ? bytes : 64) == 0 ? p : NULL;
+}
+
+/* y (M, N) = x (M, K) @ W.T for W in PyTorch's int4pack layout with block rows B; N % 32 == 0 and
+ * K % 32 == 0 (callers check). Returns 0, or -1 when out of memory. */
+int tm_int4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *packed, const uint16_t *sz, int64_t N,
+                   int64_t B, int64_t group, float *y, int threads) {
+    const int64_t nb = K / 32, half = B / 2, tasks = N / 32;
+    int16_t *xq = alloc_aligned(sizeof(int16_t) * M * K);
+    float *dx = alloc_aligned(sizeof(float) * M * nb), *sx = alloc_aligned(sizeof(float) * M * nb);
+    int32_t *sq8 = alloc_aligned(sizeof(int32_t) * M * nb);
+    if (!xq || !dx || !sx || !sq8) {
+        free(xq); free(dx); free(sx); free(sq8);
+        return -1;
+    }
+    quantize_rows(x, M, K, xq, dx, sx, sq8);
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t t = 0; t < tasks; t++) {
+        const int64_t block = t / (half / 16), c = t % (half / 16);
+        const uint8_t *blk = packed + block * B * (K / 2) + 16 * c;
+        const int64_t lo_row = block * B + 16 * c, hi_row = lo_row + half;
+        int4_rows32(blk, half, sz, N, K, group, M, xq, dx, sx, sq8, y, lo_row, hi_row);
+    }
+    free(xq); free(dx); free(sx); free(sq8);
+    return 0;
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* One 32-column block of an int8 row against the quantized activations: the int32 dot product. */
+static inline __m256i int8_block(const int8_t *w, __m256i x0, __m256i x1) {
+    __m256i q = _mm256_loadu_si256((const __m256i *)w);
+    return _mm256_add_epi32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)), x0),
+                            _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1)), x1));
+}
+
+static inline float bf16_to_float(uint16_t v) {
+    union { uint32_t u; float f; } s = {.u = (uint32_t)v << 16};
+    return s.f;
+}
+
+/* Four rows of an int8 weight (or fewer, at the end) against one quantized activation row. */
+static void int8_rows4(const int8_t *w, int64_t K, const uint16_t *scales, const int16_t *xq, const float *dx,
+                       float *y, int64_t rows) {
+    __m256 f0 = _mm256_setzero_ps(), f1 = f0, f2 = f0, f3 = f0;
+    const int8_t *w1 = w + (rows > 1 ? K : 0), *w2 = w + (rows > 2 ? 2 * K : 0), *w3 = w + (rows > 3 ? 3 * K : 0);
+    for (int64_t b = 0; b < K / 32; b++) {
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + 32 * b));
+        const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + 32 * b + 16));
+        const __m256 vdx = _mm256_set1_ps(dx[b]);
+        f0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(int8_block(w + 32 * b, x0, x1)), vdx, f0);
+        f1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(int8_block(w1 + 32 * b, x0, x1)), vdx, f1);
+        f2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(int8_block(w2 + 32 * b, x0, x1)), vdx, f2);
+        f3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(int8_block(w3 + 32 * b, x0, x1)), vdx, f3);
+    }
+    const float sums[4] = {hsum(f0), hsum(f1), hsum(f2), hsum(f3)};
+    for (int64_t r = 0; r < rows; r++)
+        y[r] = sums[r] * bf16_to_float(scales[r]);
+}
+
+/* y (M, N) = x (M, K) @ (W * s[:, None]).T for an (N, K) int8 W and bf16 scales s; K % 32 == 0. */
+int tm_int8_matmul(const float *x, int64_t M, int64_t K, const int8_t *w, const uint16_t *scales, int64_t N,
+                   float *y, int threads) {
+    const int64_t nb = K / 32, tasks = (N + 3) / 4;
+    int16_t *xq = alloc_aligned(sizeof(int16_t) * M * K);
+    float *dx = alloc_aligned(sizeof(float) * M * nb), *sx = alloc_aligned(sizeof(float) * M * nb);
+    int32_t *sq8 = alloc_aligned(sizeof(int32_t) * M * nb);
+    if (!xq || !dx || !sx || !sq8) {
+        free(xq); free(dx); free(sx); free(sq8);
+        return -1;
+    }
+    quantize_rows(x, M, K, xq, dx, sx, sq8);
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t t = 0; t < tasks; t++) {
+        const int64_t n = 4 * t, rows = N - n < 4 ? N - n : 4;
+        for (int64_t m = 0; m < M; m++)
+            int8_rows4(w + n * K, K, scales + n, xq + m * K, dx + m * nb, y + m * N + n, rows);
+    }
+    free(xq); free(dx); free(sx); free(sq8);
+    return 0;
+}

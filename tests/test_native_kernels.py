@@ -1,0 +1,139 @@
+"""The native int4/int8 decode kernels (model/native_kernels.c): exact to int16 activations, on PyTorch's own packing."""
+
+import pytest
+import torch
+
+from tokenmind.model import native
+from tokenmind.model.quant import Int4Linear, Int8Linear, _int4_block_rows
+
+needs_native = pytest.mark.skipif(not native.available(), reason="no AVX2 CPU or C compiler here")
+
+
+def _reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return (x.double() @ weight.double().T)
+
+
+def _close(y: torch.Tensor, ref: torch.Tensor, rel: float = 1e-4) -> float:
+    """Worst error relative to the output's scale (the bf16 kernels are ~1e-2 here)."""
+    err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+    assert err < rel, err
+    return err
+
+
+@needs_native
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_int4_kernel_matches_the_dequantized_weight(group_size, rows):
+    torch.manual_seed(0)
+    lin = Int4Linear.from_float(torch.randn(192, 256), group_size=group_size)
+    x = torch.randn(rows, 256)
+    y = native.int4_matmul(x, lin.weight, lin.scales_and_zeros, _int4_block_rows(), group_size)
+    _close(y, _reference(x, lin.dequantize(torch.float32)))
+
+
+def _pack_int4(codes: torch.Tensor, block_rows: int) -> torch.Tensor:
+    """PyTorch's int4pack layout with `block_rows` rows per block, written from its description."""
+    n, k = codes.shape
+    half = block_rows // 2
+    blocks = codes.view(n // block_rows, 2, half, k)  # [block, low/high, j, k]
+    packed = blocks[:, 0] | (blocks[:, 1] << 4)  # [block, j, k]
+    return packed.transpose(1, 2).contiguous().view(n, k // 2)  # each block as (k, half) bytes
+
+
+@needs_native
+@pytest.mark.parametrize("block_rows", [32, 64])
+def test_int4_kernel_reads_both_packings(block_rows):
+    """AVX2 machines pack rows in blocks of 32, AVX-512 ones in 64: the kernel takes either."""
+    torch.manual_seed(1)
+    codes = torch.randint(0, 16, (128, 96), dtype=torch.uint8)
+    scales, zeros = torch.rand(3, 128) / 10 + 0.01, torch.randn(3, 128) / 10
+    sz = torch.stack([scales, zeros], dim=-1).to(torch.bfloat16)
+    weight = (codes.float() - 8).view(128, 3, 32) * sz[..., 0].t().float()[..., None] + sz[..., 1].t().float()[..., None]
+    x = torch.randn(2, 96)
+    y = native.int4_matmul(x, _pack_int4(codes, block_rows), sz.contiguous(), block_rows, 32)
+    _close(y, _reference(x, weight.view(128, 96)))
+    if block_rows == _int4_block_rows():  # the helper agrees with PyTorch's packer on this machine
+        assert torch.equal(_pack_int4(codes, block_rows), torch._convert_weight_to_int4pack_for_cpu(codes.int(), 1))
+
+
+@needs_native
+def test_a_rows_result_does_not_depend_on_its_batch_or_threads():
+    """Batched decode must give each sequence its solo result bit for bit, whatever the thread count."""
+    torch.manual_seed(2)
+    lin = Int4Linear.from_float(torch.randn(1024, 512))
+    head = Int8Linear.from_float(torch.randn(1000, 512))
+    x = torch.randn(5, 512)
+    x[3] = 0  # a zero row: scale 0, output exactly 0 for int8
+    threads = torch.get_num_threads()
+    for layer, kernel in ((lin, lin._native_kernel), (head, head._native_kernel)):
+        batch = kernel(x)
+        for i in range(5):
+            assert torch.equal(kernel(x[i:i + 1]), batch[i:i + 1])
+        torch.set_num_threads(2 if threads == 1 else 1)
+        try:
+            assert torch.equal(kernel(x), batch)
+        finally:
+            torch.set_num_threads(threads)
+    assert torch.equal(head._native_kernel(x)[3], torch.zeros(1000))
+
+
+@needs_native
+def test_int8_kernel_matches_the_dequantized_weight():
+    torch.manual_seed(3)
+    lin = Int8Linear.from_float(torch.randn(1001, 320))  # a row count that leaves a partial group of four
+    x = torch.randn(7, 320) * 5
+    _close(native.int8_matmul(x, lin.weight, lin.scales), _reference(x, lin.dequantize()))
+
+
+@needs_native
+@pytest.mark.parametrize("make", [lambda w: Int4Linear.from_float(w), lambda w: Int8Linear.from_float(w)])
+def test_quantized_linears_decode_on_the_native_kernel(make, monkeypatch):
+    """A bf16-compute layer's few-row calls take float32 activations to the native kernel: ~100x closer
+    to the float result than PyTorch's bf16 kernel, which it replaces."""
+    monkeypatch.setenv("TOKENMIND_NATIVE", "1")  # the default on AVX2-only CPUs; asked for on AVX-512 ones
+    torch.manual_seed(4)
+    lin = make(torch.randn(256, 384))
+    ref = _reference(x := torch.randn(2, 384), lin.dequantize(torch.float32))
+    native_err = _close(lin(x), ref, rel=1e-4)
+    lin.__dict__["_native_ok"] = False  # what a machine without the kernels runs
+    bf16_err = ((lin(x).double() - ref).abs().max() / ref.abs().max()).item()
+    assert bf16_err > 10 * native_err
+
+
+def test_a_broken_compiler_warns_once_and_falls_back(monkeypatch, tmp_path):
+    monkeypatch.setenv("TOKENMIND_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # exits 1 on anything
+    monkeypatch.setattr(native, "_compiler", lambda: "false")
+    native.library.cache_clear()
+    try:
+        if not native.usable_cpu():
+            pytest.skip("the kernels need an x86-64 CPU with AVX2 and FMA")
+        with pytest.warns(UserWarning, match="could not be built"):
+            assert native.library() is None
+        assert not list((tmp_path / "native").glob("*"))  # no half-written library left behind
+    finally:
+        native.library.cache_clear()
+
+
+def test_the_default_follows_pytorchs_own_kernels(monkeypatch):
+    """Taken by default only where PyTorch runs its AVX2 kernels; TOKENMIND_NATIVE=1 asks for them anywhere."""
+    monkeypatch.delenv("TOKENMIND_NATIVE", raising=False)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert not native.preferred()
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert native.preferred() == native.available()
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setenv("TOKENMIND_NATIVE", "1")
+    assert native.preferred() == native.available()
+
+
+def test_tokenmind_native_0_turns_the_kernels_off(monkeypatch):
+    monkeypatch.setenv("TOKENMIND_NATIVE", "0")
+    native.library.cache_clear()
+    try:
+        assert not native.available()
+        lin = Int4Linear.from_float(torch.randn(64, 64))
+        assert not native.preferred() and not lin._native_ready()
+        lin(torch.randn(1, 64))  # PyTorch's kernel runs instead
+    finally:
+        native.library.cache_clear()
