@@ -163,32 +163,43 @@ static void int4_rows32(const uint8_t *blk, int64_t half, const uint16_t *sz, in
     }
 }
 
-static void *alloc_aligned(size_t bytes) {
-    void *p = NULL;
-    return posix_memalign(&p, 64, bytes ? bytes : 64) == 0 ? p : NULL;
+/* The activations as the kernels read them (see quantize_rows), in one allocation. */
+struct qrows {
+    int16_t *xq;
+    float *dx, *sx;
+    int32_t *sq8;
+};
+
+/* Allocate and fill `q`; 0, or -1 when out of memory. Free with free(q->xq). */
+static int quantize_input(const float *x, int64_t M, int64_t K, struct qrows *q) {
+    const size_t n = (size_t)(M * K), nb = (size_t)(M * (K / 32));
+    void *mem = NULL;
+    if (posix_memalign(&mem, 64, sizeof(int16_t) * n + (2 * sizeof(float) + sizeof(int32_t)) * nb + 64))
+        return -1;
+    q->xq = mem;
+    q->dx = (float *)(q->xq + n);
+    q->sx = q->dx + nb;
+    q->sq8 = (int32_t *)(q->sx + nb);
+    quantize_rows(x, M, K, q->xq, q->dx, q->sx, q->sq8);
+    return 0;
 }
 
 /* y (M, N) = x (M, K) @ W.T for W in PyTorch's int4pack layout with block rows B; N % 32 == 0 and
  * K % 32 == 0 (callers check). Returns 0, or -1 when out of memory. */
 int tm_int4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *packed, const uint16_t *sz, int64_t N,
                    int64_t B, int64_t group, float *y, int threads) {
-    const int64_t nb = K / 32, half = B / 2, tasks = N / 32;
-    int16_t *xq = alloc_aligned(sizeof(int16_t) * M * K);
-    float *dx = alloc_aligned(sizeof(float) * M * nb), *sx = alloc_aligned(sizeof(float) * M * nb);
-    int32_t *sq8 = alloc_aligned(sizeof(int32_t) * M * nb);
-    if (!xq || !dx || !sx || !sq8) {
-        free(xq); free(dx); free(sx); free(sq8);
+    const int64_t half = B / 2, tasks = N / 32;
+    struct qrows q;
+    if (quantize_input(x, M, K, &q))
         return -1;
-    }
-    quantize_rows(x, M, K, xq, dx, sx, sq8);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t t = 0; t < tasks; t++) {
         const int64_t block = t / (half / 16), c = t % (half / 16);
         const uint8_t *blk = packed + block * B * (K / 2) + 16 * c;
         const int64_t lo_row = block * B + 16 * c, hi_row = lo_row + half;
-        int4_rows32(blk, half, sz, N, K, group, M, xq, dx, sx, sq8, y, lo_row, hi_row);
+        int4_rows32(blk, half, sz, N, K, group, M, q.xq, q.dx, q.sx, q.sq8, y, lo_row, hi_row);
     }
-    free(xq); free(dx); free(sx); free(sq8);
+    free(q.xq);
     return 0;
 }
 
@@ -234,20 +245,15 @@ static void int8_rows4(const int8_t *w, int64_t K, const uint16_t *scales, const
 int tm_int8_matmul(const float *x, int64_t M, int64_t K, const int8_t *w, const uint16_t *scales, int64_t N,
                    float *y, int threads) {
     const int64_t nb = K / 32, tasks = (N + 3) / 4;
-    int16_t *xq = alloc_aligned(sizeof(int16_t) * M * K);
-    float *dx = alloc_aligned(sizeof(float) * M * nb), *sx = alloc_aligned(sizeof(float) * M * nb);
-    int32_t *sq8 = alloc_aligned(sizeof(int32_t) * M * nb);
-    if (!xq || !dx || !sx || !sq8) {
-        free(xq); free(dx); free(sx); free(sq8);
+    struct qrows q;
+    if (quantize_input(x, M, K, &q))
         return -1;
-    }
-    quantize_rows(x, M, K, xq, dx, sx, sq8);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t t = 0; t < tasks; t++) {
         const int64_t n = 4 * t, rows = N - n < 4 ? N - n : 4;
         for (int64_t m = 0; m < M; m++)
-            int8_rows4(w + n * K, K, scales + n, xq + m * K, dx + m * nb, y + m * N + n, rows);
+            int8_rows4(w + n * K, K, scales + n, q.xq + m * K, q.dx + m * nb, y + m * N + n, rows);
     }
-    free(xq); free(dx); free(sx); free(sq8);
+    free(q.xq);
     return 0;
 }
