@@ -5,6 +5,7 @@ float, and their models save, load back and generate through the one loader and 
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -185,6 +186,6 @@ def test_cli_converts_with_gptq_and_generates_with_the_result(tiny_dir, tmp_path
     assert "wrote int4 model directory" in capsys.readouterr().out
     assert main(["generate", "--model", str(out), "--max-tokens", "8", "--stats", "abc"]) == 0
     err = capsys.readouterr().err
-    assert "params, int4)" in err and "[8 tokens in" in err
+    assert "params, int4)" in err and re.search(r"\[[1-8] tokens in .*finish: (length|stop)", err)  # a random model may stop
     assert main(["convert", "--model", str(tiny_dir), "--quantize", "awq", "--out", str(tmp_path / "x")]) == 2
     assert "needs calibration text" in capsys.readouterr().err

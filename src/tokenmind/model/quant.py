@@ -143,11 +143,10 @@ class QuantizedLinear(nn.Module):
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def _matmul_dtype(self, x: torch.Tensor) -> torch.dtype:
-        """The dequantized path's dtype: the compute dtype, except in a QLoRA training step on a CPU that
-        only emulates bf16, where the step runs in float32 (5-8x faster there). Inference keeps the
-        compute dtype, so prefill (this path) stays consistent with decode (the kernels)."""
-        training = x.requires_grad and torch.is_grad_enabled()
-        if training and self.compute_dtype == torch.bfloat16 and x.device.type == "cpu" and not cpu_has_native_bf16():
+        """The dequantized path's dtype: the compute dtype, except on a CPU that only emulates bf16, where
+        float32 runs several times faster (SmolLM2 int4 prefill on an AVX2 EPYC: 59 → 230 tok/s; a QLoRA
+        step 5-8x). The kernels are not bf16 there either: the native ones take float32 activations."""
+        if self.compute_dtype == torch.bfloat16 and x.device.type == "cpu" and not cpu_has_native_bf16():
             return torch.float32
         return self.compute_dtype
 
