@@ -1,5 +1,7 @@
 """The native int4/int8 decode kernels (model/native_kernels.c): exact to int16 activations, on PyTorch's own packing."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -102,14 +104,14 @@ def test_quantized_linears_decode_on_the_native_kernel(make, monkeypatch):
 
 def test_a_broken_compiler_warns_once_and_falls_back(monkeypatch, tmp_path):
     monkeypatch.setenv("TOKENMIND_CACHE", str(tmp_path))
-    monkeypatch.setenv("CC", "false")  # exits 1 on anything
-    monkeypatch.setattr(native, "_compiler", lambda: "false")
+    monkeypatch.setattr(native, "_compiler", lambda: shutil.which("false"))  # a "compiler" that exits 1
     native.library.cache_clear()
     try:
         if not native.usable_cpu():
             pytest.skip("the kernels need an x86-64 CPU with AVX2 and FMA")
-        with pytest.warns(UserWarning, match="could not be built"):
+        with pytest.warns(UserWarning, match="could not be built") as record:
             assert native.library() is None
+        assert "false failed on native_kernels.c" in str(record[0].message)
         assert not list((tmp_path / "native").glob("*"))  # no half-written library left behind
     finally:
         native.library.cache_clear()

@@ -42,9 +42,11 @@ def _compiler() -> str | None:
 
 
 def _library_path(compiler: str) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    key = hashlib.sha256(SOURCE.read_bytes() + repr((compiler, version, CFLAGS)).encode()).hexdigest()[:16]
-    return cache_dir() / f"tokenmind_kernels-{key}.so"
+    # The compiler's file identity stands for its version: no subprocess on every start (cold start counts).
+    real = os.path.realpath(compiler)
+    st = os.stat(real)
+    key = hashlib.sha256(SOURCE.read_bytes() + repr((real, st.st_size, st.st_mtime_ns, CFLAGS)).encode())
+    return cache_dir() / f"tokenmind_kernels-{key.hexdigest()[:16]}.so"
 
 
 def build(compiler: str) -> Path:
