@@ -20,6 +20,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+/* How far ahead of the weight bytes being summed to request memory: a single core's loads alone fetch
+ * ~3 GB/s here, with these software prefetches ~10 GB/s (the machine's bandwidth; AMD EPYC, AVX2). */
+#define PREFETCH_BYTES 4096
+
 /* Per row m and 32-column block b: xq = round(x / dx) with dx = max|x| / 32767, the exact float sum of
  * x, and 8 * sum(xq) (the int4 codes' offset of 8, taken out in integers). */
 static void quantize_rows(const float *x, int64_t M, int64_t K, int16_t *xq, float *dx, float *sx, int32_t *sq8) {
@@ -128,12 +132,20 @@ static void int4_rows32(const uint8_t *blk, int64_t half, const uint16_t *sz, in
                         float *y, int64_t lo_row, int64_t hi_row) {
     const int64_t nb = K / 32;
     __m256i codes[16][4], acc0[4], acc1[4];
+    /* The scales of successive groups are N rows apart: strided misses the prefetchers do not see, so
+     * all of this task's are requested up front, to arrive while the first blocks are summed. */
+    for (int64_t g = 0; g < K / group; g++) {
+        _mm_prefetch((const char *)(sz + 2 * (g * N + lo_row)), _MM_HINT_T0);
+        _mm_prefetch((const char *)(sz + 2 * (g * N + hi_row)), _MM_HINT_T0);
+    }
     for (int64_t m = 0; m < M; m++)
         for (int i = 0; i < 4; i++)
             _mm256_storeu_ps(y + m * N + (i < 2 ? lo_row : hi_row) + 8 * (i & 1), _mm256_setzero_ps());
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = blk + b * 32 * half;
         const int64_t g = (b * 32) / group;
+        for (int64_t j = 0; j < 32 * half; j += 64)  /* a few KB ahead on the weight stream, as in int8_rows4 */
+            _mm_prefetch((const char *)(p + PREFETCH_BYTES + j), _MM_HINT_T0);
         if (M < 4) {
             for (int64_t m = 0; m < M; m += 2) {
                 const int16_t *x0 = xq + m * K + b * 32;
@@ -231,6 +243,9 @@ static void int8_rows4(const int8_t *w, int64_t K, const uint16_t *scales, const
         const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + 32 * b));
         const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + 32 * b + 16));
         const __m256 vdx = _mm256_set1_ps(dx[b]);
+        /* the rows of a later task: PREFETCH_BYTES ahead on the weight stream */
+        _mm_prefetch((const char *)(w + PREFETCH_BYTES + 4 * K + 128 * b), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + PREFETCH_BYTES + 4 * K + 128 * b + 64), _MM_HINT_T0);
         f0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(int8_block(w + 32 * b, x0, x1)), vdx, f0);
         f1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(int8_block(w1 + 32 * b, x0, x1)), vdx, f1);
         f2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(int8_block(w2 + 32 * b, x0, x1)), vdx, f2);
