@@ -11,6 +11,17 @@ from tokenmind.model.quant import Int4Linear, Int8Linear, _int4_block_rows
 needs_native = pytest.mark.skipif(not native.available(), reason="no AVX2 CPU or C compiler here")
 
 
+@pytest.fixture
+def fresh_native():
+    """Forget the loaded library and the default decision, before and after (tests change their inputs)."""
+    def clear():
+        native.library.cache_clear()
+        native.preferred.cache_clear()
+    clear()
+    yield
+    clear()
+
+
 def _reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (x.double() @ weight.double().T)
 
@@ -89,7 +100,7 @@ def test_int8_kernel_matches_the_dequantized_weight():
 
 @needs_native
 @pytest.mark.parametrize("make", [lambda w: Int4Linear.from_float(w), lambda w: Int8Linear.from_float(w)])
-def test_quantized_linears_decode_on_the_native_kernel(make, monkeypatch):
+def test_quantized_linears_decode_on_the_native_kernel(make, monkeypatch, fresh_native):
     """A bf16-compute layer's few-row calls take float32 activations to the native kernel: ~100x closer
     to the float result than PyTorch's bf16 kernel, which it replaces."""
     monkeypatch.setenv("TOKENMIND_NATIVE", "1")  # the default on AVX2-only CPUs; asked for on AVX-512 ones
@@ -102,40 +113,57 @@ def test_quantized_linears_decode_on_the_native_kernel(make, monkeypatch):
     assert bf16_err > 10 * native_err
 
 
-def test_a_broken_compiler_warns_once_and_falls_back(monkeypatch, tmp_path):
+def test_a_broken_compiler_warns_once_and_falls_back(monkeypatch, tmp_path, fresh_native):
     monkeypatch.setenv("TOKENMIND_CACHE", str(tmp_path))
     monkeypatch.setattr(native, "_compiler", lambda: shutil.which("false"))  # a "compiler" that exits 1
-    native.library.cache_clear()
-    try:
-        if not native.usable_cpu():
-            pytest.skip("the kernels need an x86-64 CPU with AVX2 and FMA")
-        with pytest.warns(UserWarning, match="could not be built") as record:
-            assert native.library() is None
-        assert "false failed on native_kernels.c" in str(record[0].message)
-        assert not list((tmp_path / "native").glob("*"))  # no half-written library left behind
-    finally:
-        native.library.cache_clear()
+    if not native.usable_cpu():
+        pytest.skip("the kernels need an x86-64 CPU with AVX2 and FMA")
+    with pytest.warns(UserWarning, match="could not be built") as record:
+        assert native.library() is None
+    assert "false failed on native_kernels.c" in str(record[0].message)
+    assert not list((tmp_path / "native").glob("*"))  # no half-written library left behind
 
 
-def test_the_default_follows_pytorchs_own_kernels(monkeypatch):
+def test_the_default_follows_pytorchs_own_kernels(monkeypatch, fresh_native):
     """Taken by default only where PyTorch runs its AVX2 kernels; TOKENMIND_NATIVE=1 asks for them anywhere."""
     monkeypatch.delenv("TOKENMIND_NATIVE", raising=False)
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    assert not native.preferred()
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    assert native.preferred() == native.available()
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    monkeypatch.setenv("TOKENMIND_NATIVE", "1")
-    assert native.preferred() == native.available()
+    for capability, forced, expected in (("AVX512", False, False), ("AVX2", False, True), ("AVX512", True, True)):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        if forced:
+            monkeypatch.setenv("TOKENMIND_NATIVE", "1")
+        native.preferred.cache_clear()
+        assert native.preferred() == (expected and native.available())
 
 
-def test_tokenmind_native_0_turns_the_kernels_off(monkeypatch):
+def test_tokenmind_native_0_turns_the_kernels_off(monkeypatch, fresh_native):
     monkeypatch.setenv("TOKENMIND_NATIVE", "0")
-    native.library.cache_clear()
-    try:
-        assert not native.available()
-        lin = Int4Linear.from_float(torch.randn(64, 64))
-        assert not native.preferred() and not lin._native_ready()
-        lin(torch.randn(1, 64))  # PyTorch's kernel runs instead
-    finally:
-        native.library.cache_clear()
+    assert not native.available() and not native.preferred()
+    lin = Int4Linear.from_float(torch.randn(64, 64))
+    assert not lin._native_ready()
+    lin(torch.randn(1, 64))  # PyTorch's kernel runs instead
+
+
+@needs_native
+def test_rms_norm_matches_pytorchs():
+    torch.manual_seed(5)
+    x, w = torch.randn(3, 5, 576) * 4, torch.randn(576)
+    ref = torch.nn.functional.rms_norm(x, (576,), w, 1e-6)
+    assert torch.allclose(native.rms_norm(x, w, 1e-6), ref, rtol=1e-6, atol=1e-6)
+
+
+@needs_native
+def test_the_norm_layer_takes_the_native_kernel_only_outside_autograd(monkeypatch, fresh_native):
+    from tokenmind.model.transformer import RMSNorm
+
+    monkeypatch.setenv("TOKENMIND_NATIVE", "1")
+    calls = []
+    real = native.rms_norm
+    monkeypatch.setattr(native, "rms_norm", lambda *a: calls.append(1) or real(*a))
+    norm = RMSNorm(64, 1e-5)
+    x = torch.randn(2, 64, requires_grad=True)
+    norm(x).sum().backward()  # training: PyTorch's op, which has a backward
+    assert not calls and x.grad is not None
+    with torch.inference_mode():
+        y = norm(x.detach())
+    assert calls and torch.allclose(y, torch.nn.functional.rms_norm(x.detach(), (64,), norm.weight.detach(), 1e-5),
+                                    rtol=1e-6, atol=1e-6)

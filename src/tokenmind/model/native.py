@@ -93,6 +93,8 @@ def library() -> ctypes.CDLL | None:
     lib.tm_int4_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
     lib.tm_int8_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
     lib.tm_int4_matmul.restype = lib.tm_int8_matmul.restype = ctypes.c_int
+    lib.tm_rms_norm.argtypes = [ptr, ptr, ctypes.c_float, i64, i64, ptr]
+    lib.tm_rms_norm.restype = None
     return lib
 
 
@@ -100,6 +102,7 @@ def available() -> bool:
     return library() is not None
 
 
+@functools.cache
 def preferred() -> bool:
     """Whether the quantized linears should run these kernels rather than PyTorch's (see the module docstring)."""
     forced = os.environ.get("TOKENMIND_NATIVE") == "1"
@@ -135,4 +138,12 @@ def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> 
     y = torch.empty(m, n, dtype=torch.float32)
     _checked(library().tm_int8_matmul(x.data_ptr(), m, k, weight.data_ptr(), scales.data_ptr(), n, y.data_ptr(),
                                       _threads(n * k)))
+    return y
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of a contiguous float32 (..., D) tensor with D % 8 == 0 and a float32 (D,) weight."""
+    y = torch.empty_like(x)
+    d = x.shape[-1]
+    library().tm_rms_norm(x.data_ptr(), weight.data_ptr(), eps, x.numel() // d, d, y.data_ptr())
     return y

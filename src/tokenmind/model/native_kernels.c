@@ -272,3 +272,26 @@ int tm_int8_matmul(const float *x, int64_t M, int64_t K, const int8_t *w, const 
     free(q.xq);
     return 0;
 }
+
+/* y = x / sqrt(mean(x^2) + eps) * w over each of M rows of D floats (D % 8 == 0): RMSNorm in one call,
+ * where PyTorch's CPU rms_norm dispatches ~20 operators (~40 us a row on a 2-core AVX2 VM). */
+void tm_rms_norm(const float *x, const float *w, float eps, int64_t M, int64_t D, float *y) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * D;
+        float *yr = y + m * D;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+        int64_t j = 0;
+        for (; j + 16 <= D; j += 16) {
+            __m256 u = _mm256_loadu_ps(xr + j), v = _mm256_loadu_ps(xr + j + 8);
+            a0 = _mm256_fmadd_ps(u, u, a0);
+            a1 = _mm256_fmadd_ps(v, v, a1);
+        }
+        for (; j < D; j += 8) {
+            __m256 u = _mm256_loadu_ps(xr + j);
+            a0 = _mm256_fmadd_ps(u, u, a0);
+        }
+        const __m256 r = _mm256_set1_ps(1.0f / sqrtf(hsum(_mm256_add_ps(a0, a1)) / (float)D + eps));
+        for (j = 0; j < D; j += 8)
+            _mm256_storeu_ps(yr + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + j), r), _mm256_loadu_ps(w + j)));
+    }
+}
