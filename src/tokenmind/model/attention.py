@@ -119,6 +119,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: DenseMask | 
     if isinstance(attn, PagedAttentionMetadata):
         if kv_cache is None:
             raise ValueError("paged attention metadata needs the PagedKVCache it describes")
-        return paged_attention(q, k, v, kv_cache, layer, attn, window, kernel)
+        return paged_attention(q, k, v, kv_cache, layer, attn, window, kernel,
+                               native_scale=scale if softcap is None else None)
     out = kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn.tensor, attn.causal)
     return out.transpose(1, 2)

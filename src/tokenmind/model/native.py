@@ -94,6 +94,9 @@ def library() -> ctypes.CDLL | None:
     lib.tm_int8_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
     lib.tm_int4_matmul.restype = lib.tm_int8_matmul.restype = ctypes.c_int
     lib.tm_rms_norm.argtypes = [ptr, ptr, ctypes.c_float, i64, i64, ptr]
+    lib.tm_decode_attention.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, i64, i64,
+                                        ctypes.c_float, ptr, ctypes.c_int]
+    lib.tm_decode_attention.restype = ctypes.c_int
     lib.tm_rms_norm.restype = None
     return lib
 
@@ -147,3 +150,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     d = x.shape[-1]
     library().tm_rms_norm(x.data_ptr(), weight.data_ptr(), eps, x.numel() // d, d, y.data_ptr())
     return y
+
+
+MAX_QUERY_GROUP = 64  # query heads per key head the attention kernel holds on its stack
+
+
+def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                     lens: torch.Tensor, first_key: int, window: int | None, scale: float) -> torch.Tensor:
+    """One query per sequence over its keys in the paged pool, read where they lie (no gather, no padding).
+
+    q (N, H, D) float32; k_pool/v_pool one layer's (blocks, block_size, H_kv, D | D_v) float32, contiguous;
+    block_tables (N, ≥ blocks used) int64 (row stride free); lens (N,) int64 context lengths. Sequence n
+    attends to keys [max(first_key, lens[n] − window), lens[n]). Returns (N, H, D_v) float32."""
+    n, h, d = q.shape
+    _, bs, hkv, dv = v_pool.shape
+    out = torch.empty(n, h, dv)
+    _checked(library().tm_decode_attention(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), block_tables.data_ptr(),
+                                           block_tables.stride(0), lens.data_ptr(), first_key, window or 0, n, h, hkv,
+                                           d, dv, bs, scale, out.data_ptr(), torch.get_num_threads()))
+    return out

@@ -295,3 +295,122 @@ void tm_rms_norm(const float *x, const float *w, float eps, int64_t M, int64_t D
             _mm256_storeu_ps(yr + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + j), r), _mm256_loadu_ps(w + j)));
     }
 }
+
+/* e^x for x <= 0 (softmax after subtracting the maximum), 8 at a time: x = n ln2 + r with |r| <= ln2 / 2,
+ * e^r by its Taylor series to r^7 (relative error < 2e-7), 2^n put into the exponent bits. */
+static inline __m256 exp_nonpositive(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  /* ln2 in two parts: exact n * hi */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+static inline float dot(const float *a, const float *b, int64_t D) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0;
+    int64_t j = 0;
+    for (; j + 16 <= D; j += 16) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8), _mm256_loadu_ps(b + j + 8), s1);
+    }
+    for (; j < D; j += 8)
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), s0);
+    return hsum(_mm256_add_ps(s0, s1));
+}
+
+/* One query token per sequence over its keys in the paged pool, read in place (no gather):
+ * q (N, H, D); pools (blocks, bs, Hkv, D) and (blocks, bs, Hkv, Dv); tables (N, >= blocks used) with row
+ * stride `tstride`; sequence n sees keys [max(first_key, lens[n] - window), lens[n]) (window <= 0: all).
+ * out (N, H, Dv). Query heads h use key head h / (H / Hkv). D % 8 == Dv % 8 == 0. Returns -1 when out
+ * of memory. */
+int tm_decode_attention(const float *q, const float *kp, const float *vp, const int64_t *tables, int64_t tstride,
+                        const int64_t *lens, int64_t first_key, int64_t window, int64_t N, int64_t H, int64_t Hkv,
+                        int64_t D, int64_t Dv, int64_t bs, float scale, float *out, int threads) {
+    const int64_t group = H / Hkv;
+    int64_t keys = 0;
+    for (int64_t n = 0; n < N; n++)
+        keys += lens[n];
+    if (keys * H * (D + Dv) < (1 << 16) || N * Hkv < 2)  /* done before a second thread would start */
+        threads = 1;
+    int failed = 0;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1) reduction(| : failed)
+    for (int64_t t = 0; t < N * Hkv; t++) {
+        const int64_t n = t / Hkv, kvh = t % Hkv, len = lens[n];
+        int64_t lo = first_key;
+        if (window > 0 && len - window > lo)
+            lo = len - window;
+        const int64_t L = len - lo, Lpad = (L + 7) & ~(int64_t)7;
+        if (L <= 0) {  /* nothing visible (the caller never asks): zeros, not a division by zero */
+            for (int64_t j = 0; j < group * Dv; j++)
+                out[(n * H + kvh * group) * Dv + j] = 0.0f;
+            continue;
+        }
+        float *s = malloc(sizeof(float) * (size_t)(group * Lpad + group * Dv));
+        if (!s) {
+            failed = 1;
+            continue;
+        }
+        float *acc = s + group * Lpad;
+        const float *qh = q + (n * H + kvh * group) * D;
+        const int64_t *table = tables + n * tstride;
+        /* scores, and each query head's maximum */
+        float mx[64];
+        for (int64_t g = 0; g < group; g++)
+            mx[g] = -INFINITY;
+        for (int64_t l = 0; l < L; l++) {
+            const int64_t pos = lo + l, slot = table[pos / bs] * bs + pos % bs;
+            const float *krow = kp + (slot * Hkv + kvh) * D;
+            for (int64_t g = 0; g < group; g++) {
+                const float v = dot(qh + g * D, krow, D) * scale;
+                s[g * Lpad + l] = v;
+                mx[g] = v > mx[g] ? v : mx[g];
+            }
+        }
+        /* probabilities (unnormalised) and their sums */
+        float inv[64];
+        for (int64_t g = 0; g < group; g++) {
+            float *sg = s + g * Lpad;
+            for (int64_t l = L; l < Lpad; l++)
+                sg[l] = -INFINITY;
+            const __m256 vm = _mm256_set1_ps(mx[g]);
+            __m256 sum = _mm256_setzero_ps();
+            for (int64_t l = 0; l < Lpad; l += 8) {
+                const __m256 p = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sg + l), vm));
+                _mm256_storeu_ps(sg + l, p);
+                sum = _mm256_add_ps(sum, p);
+            }
+            inv[g] = 1.0f / hsum(sum);
+            for (int64_t j = 0; j < Dv; j++)
+                acc[g * Dv + j] = 0.0f;
+        }
+        /* the values, weighted */
+        for (int64_t l = 0; l < L; l++) {
+            const int64_t pos = lo + l, slot = table[pos / bs] * bs + pos % bs;
+            const float *vrow = vp + (slot * Hkv + kvh) * Dv;
+            for (int64_t g = 0; g < group; g++) {
+                const __m256 p = _mm256_set1_ps(s[g * Lpad + l]);
+                float *a = acc + g * Dv;
+                for (int64_t j = 0; j < Dv; j += 8)
+                    _mm256_storeu_ps(a + j, _mm256_fmadd_ps(p, _mm256_loadu_ps(vrow + j), _mm256_loadu_ps(a + j)));
+            }
+        }
+        for (int64_t g = 0; g < group; g++) {
+            float *o = out + (n * H + kvh * group + g) * Dv;
+            const __m256 vi = _mm256_set1_ps(inv[g]);
+            for (int64_t j = 0; j < Dv; j += 8)
+                _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_loadu_ps(acc + g * Dv + j), vi));
+        }
+        free(s);
+    }
+    return failed ? -1 : 0;
+}

@@ -16,6 +16,7 @@ import mmap
 
 import torch
 
+from . import native
 from .config import ModelConfig
 
 
@@ -140,7 +141,15 @@ class DecodeBatch:
     longest: int
     mask: torch.Tensor | None  # (S, 1, 1, longest) bool, True = attend
     run: int | None = None  # one sequence whose blocks are consecutive from this id: read a view
+    lens: list[int] = field(default_factory=list)  # context length of each decode sequence
     _views: tuple | None = field(default=None, repr=False)  # per layer (keys, values) views, for a run
+    _lens: torch.Tensor | None = field(default=None, repr=False)
+
+    def lens_tensor(self) -> torch.Tensor:
+        """`lens` as an int64 tensor, made once per step for every layer."""
+        if self._lens is None:
+            self._lens = torch.tensor(self.lens, dtype=torch.int64)
+        return self._lens
 
     def keys_values(self, cache: PagedKVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(S, H_kv, longest, D) keys and values of the decode sequences in one layer. A run is one
@@ -180,7 +189,7 @@ class DecodeBatch:
                 allowed = allowed & (d_lens_t - 1 - k_pos < window)
             mask = allowed[:, None, None, :]
         rows = None if every else torch.tensor([starts[i] for i in decode], device=device)
-        return cls(len(decode), rows, tables, longest, mask, run)
+        return cls(len(decode), rows, tables, longest, mask, run, d_lens)
 
 
 def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -214,12 +223,25 @@ def _causal_mask(q_len: int, k_len: int, window: int | None, device, first_key: 
     return allowed
 
 
+def _native_decode_ok(q: torch.Tensor, cache: PagedKVCache) -> bool:
+    """Whether `native.decode_attention` can read this layer's pool: float32 CPU tensors, per-head keys
+    and values of their own (not latent attention's shared entry), widths it vectorizes, no autograd."""
+    k = cache.k
+    return (native.preferred() and q.dtype == k.dtype == torch.float32 and k.device.type == "cpu"
+            and not cache.values_in_keys and k.shape[-1] % 8 == 0 and cache.v.shape[-1] % 8 == 0
+            and q.shape[2] % k.shape[3] == 0 and q.shape[2] // k.shape[3] <= native.MAX_QUERY_GROUP
+            and not (torch.is_grad_enabled() and q.requires_grad))
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, layer: int,
-                    meta: PagedAttentionMetadata, window: int | None, attend: Callable) -> torch.Tensor:
+                    meta: PagedAttentionMetadata, window: int | None, attend: Callable,
+                    native_scale: float | None = None) -> torch.Tensor:
     """q (1, N, H, D), k/v (1, N, H_kv, D | D_v) for the new tokens → attention output (1, N, H, D_v).
 
     `attend(q, k, v, mask, causal)` is the layer's kernel on (B, H, T, D) tensors
     (`attention.scaled_dot_product`), so soft-capping and GQA behave exactly as in the dense path.
+    `native_scale`: the layer's softmax scale where its attention is plain (no soft-capping), which lets
+    an all-decode step run `native.decode_attention` instead (see `_native_decode_ok`).
     Single-token (decode) sequences run as one padded batch; multi-token chunks (prefill, draft
     verification) one sequence at a time. Masks are built once per step, and a sequence whose
     blocks are consecutive is read through a view of the pool instead of a gathered copy.
@@ -228,6 +250,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
     starts, lens = meta.query_start_loc, meta.seq_lens
     dec = meta.decode_batch(cache.block_size, window)
     if dec is not None:
+        if dec.rows is None and native_scale is not None and _native_decode_ok(q, cache):
+            # an all-decode step read in place from the pool: no gather, no padding, no mask
+            return native.decode_attention(q[0].contiguous(), cache.k[layer], cache.v[layer], dec.block_tables,
+                                           dec.lens_tensor(), meta.first_key, window, native_scale)[None]
         keys, vals = dec.keys_values(cache, layer)  # (S, H_kv, L, D)
         if dec.rows is None:  # an all-decode step: no scatter into a bigger output; (1, N) ↔ (N, 1) is a permute
             return attend(q.permute(1, 2, 0, 3), keys, vals, dec.mask, False).permute(2, 0, 1, 3)
