@@ -316,23 +316,19 @@ static inline __m256 exp_nonpositive(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-static inline float dot(const float *a, const float *b, int64_t D) {
-    __m256 s0 = _mm256_setzero_ps(), s1 = s0;
-    int64_t j = 0;
-    for (; j + 16 <= D; j += 16) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8), _mm256_loadu_ps(b + j + 8), s1);
-    }
-    for (; j < D; j += 8)
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), s0);
-    return hsum(_mm256_add_ps(s0, s1));
+/* Eight sums of eight vectors each: (sum of a[0], ..., sum of a[7]) as one vector. */
+static inline __m256 hsum8(const __m256 a[8]) {
+    const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
 /* One query token per sequence over its keys in the paged pool, read in place (no gather):
  * q (N, H, D); pools (blocks, bs, Hkv, D) and (blocks, bs, Hkv, Dv); tables (N, >= blocks used) with row
  * stride `tstride`; sequence n sees keys [max(first_key, lens[n] - window), lens[n]) (window <= 0: all).
  * out (N, H, Dv). Query heads h use key head h / (H / Hkv). D % 8 == Dv % 8 == 0. Returns -1 when out
- * of memory. */
+ * of memory. Scores are made eight keys at a time (one horizontal reduction for eight dot products),
+ * and each query head's weighted sum of values is held in registers, 64 columns at a time. */
 int tm_decode_attention(const float *q, const float *kp, const float *vp, const int64_t *tables, int64_t tstride,
                         const int64_t *lens, int64_t first_key, int64_t window, int64_t N, int64_t H, int64_t Hkv,
                         int64_t D, int64_t Dv, int64_t bs, float scale, float *out, int threads) {
@@ -350,67 +346,80 @@ int tm_decode_attention(const float *q, const float *kp, const float *vp, const 
         if (window > 0 && len - window > lo)
             lo = len - window;
         const int64_t L = len - lo, Lpad = (L + 7) & ~(int64_t)7;
+        float *o = out + (n * H + kvh * group) * Dv;
         if (L <= 0) {  /* nothing visible (the caller never asks): zeros, not a division by zero */
             for (int64_t j = 0; j < group * Dv; j++)
-                out[(n * H + kvh * group) * Dv + j] = 0.0f;
+                o[j] = 0.0f;
             continue;
         }
-        float *s = malloc(sizeof(float) * (size_t)(group * Lpad + group * Dv));
-        if (!s) {
+        void *mem = malloc(sizeof(float) * (size_t)(group * Lpad) + sizeof(int64_t) * (size_t)Lpad);
+        if (!mem) {
             failed = 1;
             continue;
         }
-        float *acc = s + group * Lpad;
-        const float *qh = q + (n * H + kvh * group) * D;
+        float *s = mem;
+        int64_t *row = (int64_t *)(s + group * Lpad);  /* each visible key's entry in the pool, padded with the last */
         const int64_t *table = tables + n * tstride;
-        /* scores, and each query head's maximum */
-        float mx[64];
-        for (int64_t g = 0; g < group; g++)
-            mx[g] = -INFINITY;
-        for (int64_t l = 0; l < L; l++) {
-            const int64_t pos = lo + l, slot = table[pos / bs] * bs + pos % bs;
-            const float *krow = kp + (slot * Hkv + kvh) * D;
-            for (int64_t g = 0; g < group; g++) {
-                const float v = dot(qh + g * D, krow, D) * scale;
-                s[g * Lpad + l] = v;
-                mx[g] = v > mx[g] ? v : mx[g];
-            }
+        for (int64_t pos = lo, l = 0; pos < len;) {
+            const int64_t off = pos % bs, run = bs - off < len - pos ? bs - off : len - pos;
+            const int64_t first = (table[pos / bs] * bs + off) * Hkv + kvh;
+            for (int64_t i = 0; i < run; i++)
+                row[l++] = first + i * Hkv;
+            pos += run;
         }
-        /* probabilities (unnormalised) and their sums */
-        float inv[64];
+        for (int64_t l = L; l < Lpad; l++)
+            row[l] = row[L - 1];
+        const float *qh = q + (n * H + kvh * group) * D;
         for (int64_t g = 0; g < group; g++) {
             float *sg = s + g * Lpad;
-            for (int64_t l = L; l < Lpad; l++)
-                sg[l] = -INFINITY;
-            const __m256 vm = _mm256_set1_ps(mx[g]);
+            const float *qg = qh + g * D;
+            __m256 mx = _mm256_set1_ps(-INFINITY);
+            for (int64_t l = 0; l < Lpad; l += 8) {
+                __m256 a[8];
+                for (int i = 0; i < 8; i++)
+                    a[i] = _mm256_setzero_ps();
+                for (int64_t j = 0; j < D; j += 8) {
+                    const __m256 qv = _mm256_loadu_ps(qg + j);
+                    for (int i = 0; i < 8; i++)
+                        a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp + row[l + i] * D + j), a[i]);
+                }
+                __m256 sc = _mm256_mul_ps(hsum8(a), _mm256_set1_ps(scale));
+                if (l + 8 > L) {  /* the padding keys: no weight */
+                    const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32((int)l), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+                    const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)L), idx));
+                    sc = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sc, keep);
+                }
+                _mm256_storeu_ps(sg + l, sc);
+                mx = _mm256_max_ps(mx, sc);
+            }
+            /* the maximum of all lanes, then probabilities (unnormalised) and their sum */
+            mx = _mm256_max_ps(mx, _mm256_permute2f128_ps(mx, mx, 0x01));
+            mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0x4E));
+            mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0xB1));
             __m256 sum = _mm256_setzero_ps();
             for (int64_t l = 0; l < Lpad; l += 8) {
-                const __m256 p = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sg + l), vm));
+                const __m256 p = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sg + l), mx));
                 _mm256_storeu_ps(sg + l, p);
                 sum = _mm256_add_ps(sum, p);
             }
-            inv[g] = 1.0f / hsum(sum);
-            for (int64_t j = 0; j < Dv; j++)
-                acc[g * Dv + j] = 0.0f;
-        }
-        /* the values, weighted */
-        for (int64_t l = 0; l < L; l++) {
-            const int64_t pos = lo + l, slot = table[pos / bs] * bs + pos % bs;
-            const float *vrow = vp + (slot * Hkv + kvh) * Dv;
-            for (int64_t g = 0; g < group; g++) {
-                const __m256 p = _mm256_set1_ps(s[g * Lpad + l]);
-                float *a = acc + g * Dv;
-                for (int64_t j = 0; j < Dv; j += 8)
-                    _mm256_storeu_ps(a + j, _mm256_fmadd_ps(p, _mm256_loadu_ps(vrow + j), _mm256_loadu_ps(a + j)));
+            const __m256 inv = _mm256_set1_ps(1.0f / hsum(sum));
+            /* the values, weighted: 64 output columns in registers at a time */
+            for (int64_t c = 0; c < Dv; c += 64) {
+                const int64_t w = Dv - c < 64 ? (Dv - c) / 8 : 8;
+                __m256 acc[8];
+                for (int i = 0; i < 8; i++)
+                    acc[i] = _mm256_setzero_ps();
+                for (int64_t l = 0; l < L; l++) {
+                    const __m256 p = _mm256_set1_ps(sg[l]);
+                    const float *vrow = vp + row[l] * Dv + c;
+                    for (int i = 0; i < w; i++)
+                        acc[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vrow + 8 * i), acc[i]);
+                }
+                for (int i = 0; i < w; i++)
+                    _mm256_storeu_ps(o + g * Dv + c + 8 * i, _mm256_mul_ps(acc[i], inv));
             }
         }
-        for (int64_t g = 0; g < group; g++) {
-            float *o = out + (n * H + kvh * group + g) * Dv;
-            const __m256 vi = _mm256_set1_ps(inv[g]);
-            for (int64_t j = 0; j < Dv; j += 8)
-                _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_loadu_ps(acc + g * Dv + j), vi));
-        }
-        free(s);
+        free(mem);
     }
     return failed ? -1 : 0;
 }
