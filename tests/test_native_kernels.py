@@ -231,3 +231,54 @@ def test_engine_decode_on_native_attention_equals_the_gathered_path(monkeypatch,
         lp_a = [step.logprob for step in a.logprobs]
         lp_b = [step.logprob for step in b.logprobs]
         assert lp_a == pytest.approx(lp_b, abs=1e-5)
+
+
+@needs_native
+def test_rotary_matches_the_operator_form_on_a_slice_of_fused_qkv():
+    """q and k are a strided slice of the fused projection's output: the kernel reads them in place."""
+    from tokenmind.model.rope import apply_rotary
+
+    torch.manual_seed(8)
+    qkv = torch.randn(1, 5, 9 + 2 * 3, 64)
+    qk = qkv[:, :, :12]
+    cos, sin = torch.randn(1, 5, 1, 64), torch.randn(1, 5, 1, 64)
+    ref = qk * cos + qk.roll(32, dims=-1) * sin
+    got = native.rotary(qk, cos, sin)
+    assert got.is_contiguous() and torch.allclose(got, ref, rtol=1e-6, atol=1e-6)
+    with torch.inference_mode():
+        assert torch.equal(apply_rotary(qk, cos, sin), got) == native.preferred()
+
+
+@needs_native
+def test_silu_mul_matches_pytorch_across_the_sigmoids_range():
+    torch.manual_seed(9)
+    gate_up = torch.cat([torch.linspace(-90, 90, 4096).view(2, 2048), torch.randn(2, 2048)], dim=-1)
+    gate, up = gate_up.chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    assert torch.allclose(native.silu_mul(gate_up), ref, rtol=2e-6, atol=1e-7)
+
+
+@needs_native
+def test_the_native_decode_ops_leave_training_to_pytorch(monkeypatch, fresh_native):
+    """With gradients on, a Transformer's forward calls no native op (they have no backward) and its loss
+    still trains; under inference_mode the same forward calls them and gives the same logits."""
+    from tokenmind.model.config import ModelConfig
+    from tokenmind.model.transformer import Transformer
+
+    monkeypatch.setenv("TOKENMIND_NATIVE", "1")
+    calls = []
+    for name in ("rms_norm", "rotary", "silu_mul"):
+        real = getattr(native, name)
+        monkeypatch.setattr(native, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    torch.manual_seed(10)
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = Transformer(cfg)
+    ids = torch.randint(0, 64, (2, 9))
+    logits = model.logits(model.hidden_states(ids))
+    logits.float().logsumexp(-1).mean().backward()
+    assert not calls and model.layers[0].mlp.gate_up_proj.weight.grad is not None
+    with torch.inference_mode():
+        again = model.logits(model.hidden_states(ids))
+    assert {"rms_norm", "rotary", "silu_mul"} <= set(calls)
+    assert torch.allclose(again, logits.detach(), rtol=1e-5, atol=1e-5)

@@ -97,7 +97,9 @@ def library() -> ctypes.CDLL | None:
     lib.tm_decode_attention.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, i64, i64,
                                         ctypes.c_float, ptr, ctypes.c_int]
     lib.tm_decode_attention.restype = ctypes.c_int
-    lib.tm_rms_norm.restype = None
+    lib.tm_rotary.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ptr]
+    lib.tm_silu_mul.argtypes = [ptr, i64, i64, ptr]
+    lib.tm_rms_norm.restype = lib.tm_rotary.restype = lib.tm_silu_mul.restype = None
     return lib
 
 
@@ -112,6 +114,14 @@ def preferred() -> bool:
     return available() and (forced or torch.backends.cpu.get_cpu_capability() == "AVX2")
 
 
+def takes(x: torch.Tensor, *others: torch.Tensor, contiguous: bool = True) -> bool:
+    """Whether an inference op on these tensors can run natively: the kernels are preferred here, x is a
+    float32 CPU tensor (contiguous, unless the caller checked its strides), and no autograd graph is
+    being recorded through any of them (the native ops have no backward, so training keeps PyTorch's)."""
+    return (preferred() and x.dtype == torch.float32 and x.device.type == "cpu" and (x.is_contiguous() or not contiguous)
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *others))))
+
+
 def _threads(weights: int) -> int:
     # A small matrix is done before a second thread would start on it.
     return torch.get_num_threads() if weights >= 1 << 18 else 1
@@ -124,21 +134,21 @@ def _checked(status: int) -> None:
 
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, block_rows: int,
                 group_size: int) -> torch.Tensor:
-    """x (M, K) float32 @ the int4pack weight (N, K/2) with bf16 (K/group, N, 2) scales → (M, N) float32.
-    Needs N % 32 == 0 and K % 32 == 0 (see `int4_supported`)."""
-    m, k = x.shape
-    n = packed.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32)
+    """x (..., K) float32, contiguous, @ the int4pack weight (N, K/2) with bf16 (K/group, N, 2) scales →
+    (..., N) float32. Needs N % the packing's block rows == 0 and K % 32 == 0 (`Int4Linear._native_layout_ok`)."""
+    k = x.shape[-1]
+    m, n = x.numel() // k, packed.shape[0]
+    y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
     _checked(library().tm_int4_matmul(x.data_ptr(), m, k, packed.data_ptr(), scales_and_zeros.data_ptr(), n,
                                       block_rows, group_size, y.data_ptr(), _threads(n * k)))
     return y
 
 
 def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x (M, K) float32 @ (weight (N, K) int8 · bf16 scales (N,)).T → (M, N) float32; K % 32 == 0."""
-    m, k = x.shape
-    n = weight.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32)
+    """x (..., K) float32, contiguous, @ (weight (N, K) int8 · bf16 scales (N,)).T → (..., N) float32; K % 32 == 0."""
+    k = x.shape[-1]
+    m, n = x.numel() // k, weight.shape[0]
+    y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
     _checked(library().tm_int8_matmul(x.data_ptr(), m, k, weight.data_ptr(), scales.data_ptr(), n, y.data_ptr(),
                                       _threads(n * k)))
     return y
@@ -169,3 +179,21 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
                                            block_tables.stride(0), lens.data_ptr(), first_key, window or 0, n, h, hkv,
                                            d, dv, bs, scale, out.data_ptr(), torch.get_num_threads()))
     return out
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """`rope.apply_rotary` for a float32 x (B, T, H, D) whose heads are contiguous within each of its B·T rows
+    (rows may be further apart: q and k sliced out of a fused qkv), and contiguous (B, T, 1, D) cos / signed
+    sin; D % 16 == 0. Returns a contiguous (B, T, H, D) tensor."""
+    y = x.new_empty(x.shape)
+    library().tm_rotary(x.data_ptr(), x.stride(1), cos.data_ptr(), signed_sin.data_ptr(), x.shape[0] * x.shape[1],
+                        x.shape[2], x.shape[3], y.data_ptr())
+    return y
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up for a contiguous float32 (..., 2F) tensor [gate | up] → (..., F); F % 8 == 0."""
+    f = gate_up.shape[-1] // 2
+    y = gate_up.new_empty(*gate_up.shape[:-1], f)
+    library().tm_silu_mul(gate_up.data_ptr(), gate_up.numel() // (2 * f), f, y.data_ptr())
+    return y

@@ -423,3 +423,42 @@ int tm_decode_attention(const float *q, const float *kp, const float *vp, const 
     }
     return failed ? -1 : 0;
 }
+
+/* Rotary embedding in HF's "rotate half" layout: y = x * cos + roll(x, D/2) * ssin, where ssin is the
+ * sine with its first half negated (model/rope.py). x (R rows `xstride` floats apart, each H heads of D),
+ * y (R, H, D); cos, ssin (R, D): one per row. */
+void tm_rotary(const float *x, int64_t xstride, const float *cos, const float *ssin, int64_t R, int64_t H, int64_t D,
+               float *y) {
+    const int64_t half = D / 2;
+    for (int64_t r = 0; r < R; r++) {
+        const float *c = cos + r * D, *s = ssin + r * D;
+        for (int64_t h = 0; h < H; h++) {
+            const float *xr = x + r * xstride + h * D;
+            float *yr = y + (r * H + h) * D;
+            for (int64_t j = 0; j < half; j += 8) {
+                const __m256 a = _mm256_loadu_ps(xr + j), b = _mm256_loadu_ps(xr + half + j);
+                _mm256_storeu_ps(yr + j, _mm256_fmadd_ps(b, _mm256_loadu_ps(s + j),
+                                                         _mm256_mul_ps(a, _mm256_loadu_ps(c + j))));
+                _mm256_storeu_ps(yr + half + j, _mm256_fmadd_ps(a, _mm256_loadu_ps(s + half + j),
+                                                                _mm256_mul_ps(b, _mm256_loadu_ps(c + half + j))));
+            }
+        }
+    }
+}
+
+/* SwiGLU's gate: y = silu(g) * u for each row of gu = [g | u] (R, 2F) → y (R, F); F % 8 == 0.
+ * silu(g) = g * sigmoid(g), the sigmoid from e^-|g| so the exponential never overflows. */
+void tm_silu_mul(const float *gu, int64_t R, int64_t F, float *y) {
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    for (int64_t r = 0; r < R; r++) {
+        const float *g = gu + r * 2 * F, *u = g + F;
+        for (int64_t j = 0; j < F; j += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + j);
+            const __m256 e = exp_nonpositive(_mm256_or_ps(gv, sign));  /* e^-|g| */
+            const __m256 inv = _mm256_div_ps(one, _mm256_add_ps(one, e));
+            /* sigmoid(g) = 1 / (1 + e^-g) for g >= 0, e^g / (1 + e^g) = e^-|g| / (1 + e^-|g|) for g < 0 */
+            const __m256 sig = _mm256_blendv_ps(inv, _mm256_mul_ps(e, inv), gv);
+            _mm256_storeu_ps(y + r * F + j, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + j)));
+        }
+    }
+}

@@ -119,8 +119,13 @@ class QuantizedLinear(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # A batch-1 decode step calls this ~120 times, so the kernel path does only what it must: one
-        # view in and out, a cast each way only where the dtypes differ, buffers read from the dict.
+        # A batch-1 decode step calls this ~120 times. Its common case (float32 activations on the native
+        # kernel, no padding or bias) goes straight in and out in the caller's shape; otherwise the kernel
+        # path does only what it must: one view in and out, a cast each way only where the dtypes differ.
+        if (x.dtype == torch.float32 and self.padded_in == self.in_features and self._buffers["bias"] is None
+                and 0 < x.numel() <= self.kernel_max_rows * self.in_features and self.compute_dtype == torch.bfloat16
+                and native.takes(x) and self._native_ready()):
+            return self._native_kernel(x)
         rows = x.reshape(-1, self.in_features)
         buffers, dtype = self._buffers, self.compute_dtype
         # the fused kernels have no backward: a QLoRA step needing the input's gradient takes the dequantized path

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from . import native
 from .config import ModelConfig
 
 
@@ -122,5 +123,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
     """Rotate pairs (x_i, x_{i+D/2}) by the position's angle (HF's "rotate half" layout).
 
     x (B, T, H, D). (x1, x2) → (x1·cos − x2·sin, x2·cos + x1·sin), written as x·cos + roll(x)·signed_sin.
+    At inference on CPUs that take the native kernels, one call does the four operators.
     """
+    if (x.dim() == 4 and x.shape[-1] % 16 == 0 and x.stride(3) == 1 and x.stride(2) == x.shape[3]
+            and (x.shape[0] == 1 or x.stride(0) == x.shape[1] * x.stride(1))
+            and cos.shape == signed_sin.shape == (*x.shape[:2], 1, x.shape[3]) and cos.is_contiguous()
+            and signed_sin.is_contiguous() and cos.dtype == signed_sin.dtype == torch.float32
+            and native.takes(x, cos, signed_sin, contiguous=False)):
+        return native.rotary(x, cos, signed_sin)  # one call for the four operators below
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin

@@ -43,8 +43,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight.float() + 1.0 if self.unit_offset else self.weight
         if x.dtype == torch.float32 and weight.dtype == torch.float32:  # the decode hot path: one op
-            if (native.preferred() and x.device.type == "cpu" and x.shape[-1] % 8 == 0 and x.is_contiguous()
-                    and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+            if x.shape[-1] % 8 == 0 and native.takes(x, weight):
                 return native.rms_norm(x, weight, self.eps)  # one call where F.rms_norm dispatches ~20
             return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
         # Lower precision: normalize and scale in fp32, like HF, then cast back.
@@ -174,7 +173,10 @@ class MLP(nn.Module):
         self.act = F.silu if cfg.hidden_act == "silu" else partial(F.gelu, approximate="tanh")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.act is F.silu and gate_up.shape[-1] % 16 == 0 and native.takes(gate_up):
+            return self.down_proj(native.silu_mul(gate_up))  # one call for chunk, silu and the product
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
