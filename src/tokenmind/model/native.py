@@ -118,8 +118,11 @@ def takes(x: torch.Tensor, *others: torch.Tensor, contiguous: bool = True) -> bo
     """Whether an inference op on these tensors can run natively: the kernels are preferred here, x is a
     float32 CPU tensor (contiguous, unless the caller checked its strides), and no autograd graph is
     being recorded through any of them (the native ops have no backward, so training keeps PyTorch's)."""
-    return (preferred() and x.dtype == torch.float32 and x.device.type == "cpu" and (x.is_contiguous() or not contiguous)
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *others))))
+    if not (preferred() and x.dtype == torch.float32 and x.device.type == "cpu" and (x.is_contiguous() or not contiguous)):
+        return False
+    if not torch.is_grad_enabled():  # inference: the common case, decided without looking further
+        return True
+    return not (x.requires_grad or any(t.requires_grad for t in others))
 
 
 def _threads(weights: int) -> int:
