@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tokenmind.model import native
-from tokenmind.model.quant import Int4Linear, Int8Linear, _int4_block_rows
+from tokenmind.model.quant import Int4Linear, Int8Linear, int4_block_rows
 
 needs_native = pytest.mark.skipif(not native.available(), reason="no AVX2 CPU or C compiler here")
 
@@ -40,7 +40,7 @@ def test_int4_kernel_matches_the_dequantized_weight(group_size, rows):
     torch.manual_seed(0)
     lin = Int4Linear.from_float(torch.randn(192, 256), group_size=group_size)
     x = torch.randn(rows, 256)
-    y = native.int4_matmul(x, lin.weight, lin.scales_and_zeros, _int4_block_rows(), group_size)
+    y = native.int4_matmul(x, lin.weight, lin.scales_and_zeros, int4_block_rows(), group_size)
     _close(y, _reference(x, lin.dequantize(torch.float32)))
 
 
@@ -65,7 +65,7 @@ def test_int4_kernel_reads_both_packings(block_rows):
     x = torch.randn(2, 96)
     y = native.int4_matmul(x, _pack_int4(codes, block_rows), sz.contiguous(), block_rows, 32)
     _close(y, _reference(x, weight.view(128, 96)))
-    if block_rows == _int4_block_rows():  # the helper agrees with PyTorch's packer on this machine
+    if block_rows == int4_block_rows():  # the helper agrees with PyTorch's packer on this machine
         assert torch.equal(_pack_int4(codes, block_rows), torch._convert_weight_to_int4pack_for_cpu(codes.int(), 1))
 
 
@@ -282,3 +282,61 @@ def test_the_native_decode_ops_leave_training_to_pytorch(monkeypatch, fresh_nati
         again = model.logits(model.hidden_states(ids))
     assert {"rms_norm", "rotary", "silu_mul"} <= set(calls)
     assert torch.allclose(again, logits.detach(), rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_a_decode_layer_in_one_call_gives_the_modules_result_bit_for_bit(monkeypatch, fresh_native):
+    """An int4 Llama-family model decoding ragged prompts in a batch (prefill and mixed steps through the
+    modules, all-decode steps through `native.decode_layer`) gives exactly the tokens and logprobs of the
+    same steps run module by module on the same native kernels."""
+    from tokenmind.engine.config import EngineConfig
+    from tokenmind.engine.llm import Engine
+    from tokenmind.engine.sampling import SamplingParams
+    from tokenmind.model.config import ModelConfig
+    from tokenmind.model.quant import quantize_model
+    from tokenmind.model.transformer import Block, Transformer
+
+    monkeypatch.setenv("TOKENMIND_NATIVE", "1")
+    torch.manual_seed(11)
+    cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    model = quantize_model(Transformer(cfg).eval(), "int4", quantize_lm_head=False)
+    prompts = [[5, 9, 3], list(range(10, 40)), [7] * 11]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0)
+
+    def generate():
+        engine = Engine(model, config=EngineConfig(block_size=4, max_num_seqs=4))
+        ids = [engine.add_request(p, params) for p in prompts]
+        finals = {}
+        while engine.has_unfinished():
+            finals.update({o.request_id: o for o in engine.step() if o.finished})
+        return [(finals[i].outputs[0].token_ids, [s.logprob for s in finals[i].outputs[0].logprobs]) for i in ids]
+
+    calls = []
+    real = native.decode_layer
+    monkeypatch.setattr(native, "decode_layer", lambda *a: calls.append(1) or real(*a))
+    fused = generate()
+    assert len(calls) >= 3 * 9  # every layer of every all-decode step
+    for block in model.modules():
+        if isinstance(block, Block):
+            assert block._native_linears() is not None
+            block.__dict__["_native_layer"] = None  # module by module from here
+    calls.clear()
+    assert generate() == fused and not calls
+
+
+@needs_native
+def test_a_linear_replaced_after_decoding_is_seen(monkeypatch, fresh_native):
+    """A block that decoded natively and then had a linear swapped (as adapters are wrapped around them)
+    takes the module path with the new linear, not the cached int4 one."""
+    from tokenmind.model.config import ModelConfig
+    from tokenmind.model.quant import quantize_model
+    from tokenmind.model.transformer import Transformer
+
+    monkeypatch.setenv("TOKENMIND_NATIVE", "1")
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    block = quantize_model(Transformer(cfg).eval(), "int4").layers[0]
+    assert block._native_linears() is not None
+    block.self_attn.o_proj = torch.nn.Linear(64, 64, bias=False)
+    assert block._native_linears() is None

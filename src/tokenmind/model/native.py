@@ -94,12 +94,16 @@ def library() -> ctypes.CDLL | None:
     lib.tm_int8_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
     lib.tm_int4_matmul.restype = lib.tm_int8_matmul.restype = ctypes.c_int
     lib.tm_rms_norm.argtypes = [ptr, ptr, ctypes.c_float, i64, i64, ptr]
-    lib.tm_decode_attention.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, i64, i64,
+    lib.tm_decode_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, i64, i64,
                                         ctypes.c_float, ptr, ctypes.c_int]
     lib.tm_decode_attention.restype = ctypes.c_int
-    lib.tm_rotary.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ptr]
+    lib.tm_rotary.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ptr, i64]
     lib.tm_silu_mul.argtypes = [ptr, i64, i64, ptr]
     lib.tm_rms_norm.restype = lib.tm_rotary.restype = lib.tm_silu_mul.restype = None
+    lib.tm_decode_layer.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_float, *[ptr, ptr, i64] * 4, i64, i64,
+                                    ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64,
+                                    ctypes.c_float, ctypes.c_int]
+    lib.tm_decode_layer.restype = ctypes.c_int
     return lib
 
 
@@ -178,7 +182,7 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     n, h, d = q.shape
     _, bs, hkv, dv = v_pool.shape
     out = torch.empty(n, h, dv)
-    _checked(library().tm_decode_attention(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), block_tables.data_ptr(),
+    _checked(library().tm_decode_attention(q.data_ptr(), h * d, k_pool.data_ptr(), v_pool.data_ptr(), block_tables.data_ptr(),
                                            block_tables.stride(0), lens.data_ptr(), first_key, window or 0, n, h, hkv,
                                            d, dv, bs, scale, out.data_ptr(), torch.get_num_threads()))
     return out
@@ -190,7 +194,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     sin; D % 16 == 0. Returns a contiguous (B, T, H, D) tensor."""
     y = x.new_empty(x.shape)
     library().tm_rotary(x.data_ptr(), x.stride(1), cos.data_ptr(), signed_sin.data_ptr(), x.shape[0] * x.shape[1],
-                        x.shape[2], x.shape[3], y.data_ptr())
+                        x.shape[2], x.shape[3], y.data_ptr(), x.shape[2] * x.shape[3])
     return y
 
 
@@ -200,3 +204,22 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     y = gate_up.new_empty(*gate_up.shape[:-1], f)
     library().tm_silu_mul(gate_up.data_ptr(), gate_up.numel() // (2 * f), f, y.data_ptr())
     return y
+
+
+def decode_layer(x: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor], eps: float, linears: list,
+                 block_rows: int, cos: torch.Tensor, signed_sin: torch.Tensor, k_pool: torch.Tensor,
+                 v_pool: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor,
+                 first_key: int, window: int | None, heads: tuple[int, int, int], scale: float) -> None:
+    """One all-decode step of a plain pre-norm block in one call (`tm_decode_layer`), x (1, N, d) updated in
+    place. linears: the Int4Linears qkv, o, gate_up, down (PyTorch's packing, bf16 scales and zeros);
+    heads: (H, H_kv, head_dim); the rest as in `decode_attention` and `rotary`."""
+    n, d = x.shape[1], x.shape[2]
+    weights = []
+    for lin in linears:
+        weights += [lin.weight.data_ptr(), lin.scales_and_zeros.data_ptr(), lin.group_size]
+    h, hkv, hd = heads
+    _checked(library().tm_decode_layer(
+        x.data_ptr(), n, d, norms[0].data_ptr(), norms[1].data_ptr(), eps, *weights, block_rows,
+        linears[3].in_features, cos.data_ptr(), signed_sin.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
+        slots.data_ptr(), block_tables.data_ptr(), block_tables.stride(0), lens.data_ptr(), first_key, window or 0,
+        h, hkv, hd, k_pool.shape[1], scale, torch.get_num_threads()))

@@ -324,12 +324,13 @@ static inline __m256 hsum8(const __m256 a[8]) {
 }
 
 /* One query token per sequence over its keys in the paged pool, read in place (no gather):
- * q (N, H, D); pools (blocks, bs, Hkv, D) and (blocks, bs, Hkv, Dv); tables (N, >= blocks used) with row
+ * q (N, H, D), rows `qstride` floats apart; pools (blocks, bs, Hkv, D) and (blocks, bs, Hkv, Dv); tables (N, >= blocks used) with row
  * stride `tstride`; sequence n sees keys [max(first_key, lens[n] - window), lens[n]) (window <= 0: all).
  * out (N, H, Dv). Query heads h use key head h / (H / Hkv). D % 8 == Dv % 8 == 0. Returns -1 when out
  * of memory. Scores are made eight keys at a time (one horizontal reduction for eight dot products),
  * and each query head's weighted sum of values is held in registers, 64 columns at a time. */
-int tm_decode_attention(const float *q, const float *kp, const float *vp, const int64_t *tables, int64_t tstride,
+int tm_decode_attention(const float *q, int64_t qstride, const float *kp, const float *vp, const int64_t *tables,
+                        int64_t tstride,
                         const int64_t *lens, int64_t first_key, int64_t window, int64_t N, int64_t H, int64_t Hkv,
                         int64_t D, int64_t Dv, int64_t bs, float scale, float *out, int threads) {
     const int64_t group = H / Hkv;
@@ -369,7 +370,7 @@ int tm_decode_attention(const float *q, const float *kp, const float *vp, const 
         }
         for (int64_t l = L; l < Lpad; l++)
             row[l] = row[L - 1];
-        const float *qh = q + (n * H + kvh * group) * D;
+        const float *qh = q + n * qstride + kvh * group * D;
         for (int64_t g = 0; g < group; g++) {
             float *sg = s + g * Lpad;
             const float *qg = qh + g * D;
@@ -425,16 +426,16 @@ int tm_decode_attention(const float *q, const float *kp, const float *vp, const 
 }
 
 /* Rotary embedding in HF's "rotate half" layout: y = x * cos + roll(x, D/2) * ssin, where ssin is the
- * sine with its first half negated (model/rope.py). x (R rows `xstride` floats apart, each H heads of D),
- * y (R, H, D); cos, ssin (R, D): one per row. */
+ * sine with its first half negated (model/rope.py). x and y: R rows `xstride` / `ystride` floats apart,
+ * each H heads of D; cos, ssin (R, D): one per row. */
 void tm_rotary(const float *x, int64_t xstride, const float *cos, const float *ssin, int64_t R, int64_t H, int64_t D,
-               float *y) {
+               float *y, int64_t ystride) {
     const int64_t half = D / 2;
     for (int64_t r = 0; r < R; r++) {
         const float *c = cos + r * D, *s = ssin + r * D;
         for (int64_t h = 0; h < H; h++) {
             const float *xr = x + r * xstride + h * D;
-            float *yr = y + (r * H + h) * D;
+            float *yr = y + r * ystride + h * D;  /* y may be x: each pair is read before it is written */
             for (int64_t j = 0; j < half; j += 8) {
                 const __m256 a = _mm256_loadu_ps(xr + j), b = _mm256_loadu_ps(xr + half + j);
                 _mm256_storeu_ps(yr + j, _mm256_fmadd_ps(b, _mm256_loadu_ps(s + j),
@@ -461,4 +462,52 @@ void tm_silu_mul(const float *gu, int64_t R, int64_t F, float *y) {
             _mm256_storeu_ps(y + r * F + j, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + j)));
         }
     }
+}
+
+/* One all-decode step of a plain pre-norm block (Llama family: RMSNorm, fused qkv, rotate-half RoPE,
+ * GQA attention over the paged pool, o, SwiGLU with fused gate/up; int4 linears without bias) for N
+ * tokens, one per sequence: x (N, d) += attention, then += MLP, in place. Each piece is the kernel the
+ * layer's modules call one by one (model/transformer.py), so the output equals theirs; doing them in
+ * one call removes the Python and PyTorch dispatch between them, most of a small model's decode step.
+ * The new keys and values go to their `slots` in the pools before attention reads them. Returns 0, or
+ * -1 when out of memory. */
+int tm_decode_layer(float *x, int64_t N, int64_t d, const float *ln1, const float *ln2, float eps,
+                    const uint8_t *qkv_w, const uint16_t *qkv_sz, int64_t qkv_group,
+                    const uint8_t *o_w, const uint16_t *o_sz, int64_t o_group,
+                    const uint8_t *gu_w, const uint16_t *gu_sz, int64_t gu_group,
+                    const uint8_t *dn_w, const uint16_t *dn_sz, int64_t dn_group, int64_t B, int64_t F,
+                    const float *cos, const float *ssin, float *kpool, float *vpool, const int64_t *slots,
+                    const int64_t *tables, int64_t tstride, const int64_t *lens, int64_t first_key, int64_t window,
+                    int64_t H, int64_t Hkv, int64_t D, int64_t bs, float scale, int threads) {
+    const int64_t row = (H + 2 * Hkv) * D;
+    const size_t floats = (size_t)(N * (d + row + H * D + d + 2 * F + F));
+    float *mem = malloc(sizeof(float) * floats);
+    if (!mem)
+        return -1;
+    float *h = mem, *qkv = h + N * d, *att = qkv + N * row, *o = att + N * H * D, *gu = o + N * d, *act = gu + N * 2 * F;
+    int status = 0;
+    tm_rms_norm(x, ln1, eps, N, d, h);
+    status |= tm_int4_matmul(h, N, d, qkv_w, qkv_sz, row, B, qkv_group, qkv, threads);
+    tm_rotary(qkv, row, cos, ssin, N, H + Hkv, D, qkv, row);  /* q and k heads, in place */
+    for (int64_t n = 0; n < N; n++) {
+        const float *k = qkv + n * row + H * D, *v = k + Hkv * D;
+        float *kd = kpool + slots[n] * Hkv * D, *vd = vpool + slots[n] * Hkv * D;
+        for (int64_t j = 0; j < Hkv * D; j++) {
+            kd[j] = k[j];
+            vd[j] = v[j];
+        }
+    }
+    status |= tm_decode_attention(qkv, row, kpool, vpool, tables, tstride, lens, first_key, window, N, H, Hkv, D, D,
+                                  bs, scale, att, threads);
+    status |= tm_int4_matmul(att, N, H * D, o_w, o_sz, d, B, o_group, o, threads);
+    for (int64_t j = 0; j < N * d; j++)
+        x[j] += o[j];
+    tm_rms_norm(x, ln2, eps, N, d, h);
+    status |= tm_int4_matmul(h, N, d, gu_w, gu_sz, 2 * F, B, gu_group, gu, threads);
+    tm_silu_mul(gu, N, F, act);
+    status |= tm_int4_matmul(act, N, F, dn_w, dn_sz, d, B, dn_group, o, threads);
+    for (int64_t j = 0; j < N * d; j++)
+        x[j] += o[j];
+    free(mem);
+    return status ? -1 : 0;
 }

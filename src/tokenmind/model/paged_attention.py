@@ -223,14 +223,20 @@ def _causal_mask(q_len: int, k_len: int, window: int | None, device, first_key: 
     return allowed
 
 
-def _native_decode_ok(q: torch.Tensor, cache: PagedKVCache) -> bool:
-    """Whether `native.decode_attention` can read this layer's pool: float32 CPU tensors, per-head keys
-    and values of their own (not latent attention's shared entry), widths it vectorizes, no autograd."""
+def cache_native_ok(cache: PagedKVCache) -> bool:
+    """Whether the native kernels can read and write this pool: float32 on the CPU, per-head keys and
+    values of their own (not latent attention's shared entry), widths they vectorize."""
     k = cache.k
-    return (native.preferred() and q.dtype == k.dtype == torch.float32 and k.device.type == "cpu"
-            and not cache.values_in_keys and k.shape[-1] % 8 == 0 and cache.v.shape[-1] % 8 == 0
-            and q.shape[2] % k.shape[3] == 0 and q.shape[2] // k.shape[3] <= native.MAX_QUERY_GROUP
-            and not (torch.is_grad_enabled() and q.requires_grad))
+    return (native.preferred() and k.dtype == torch.float32 and k.device.type == "cpu" and not cache.values_in_keys
+            and k.shape[-1] % 8 == 0 and cache.v.shape[-1] % 8 == 0)
+
+
+def _native_decode_ok(q: torch.Tensor, cache: PagedKVCache) -> bool:
+    """Whether `native.decode_attention` can take this layer's all-decode step: the pool (`cache_native_ok`),
+    float32 queries whose heads share key heads evenly, no autograd."""
+    k = cache.k
+    return (cache_native_ok(cache) and q.dtype == torch.float32 and q.shape[2] % k.shape[3] == 0
+            and q.shape[2] // k.shape[3] <= native.MAX_QUERY_GROUP and not (torch.is_grad_enabled() and q.requires_grad))
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, layer: int,

@@ -34,7 +34,7 @@ requantized from their dequantized values (one extra rounding, error ≤ half a 
 
 Layout of `_convert_weight_to_int4pack_for_cpu` (probed; `_unpack_int4` inverts it and the tests
 check it against the kernel): (N, K/2) uint8; rows go in blocks of B (64 where PyTorch runs its
-AVX-512 kernels, 32 on AVX2: `_int4_block_rows` probes it once), and block b viewed as (K, B/2)
+AVX-512 kernels, 32 on AVX2: `int4_block_rows` probes it once), and block b viewed as (K, B/2)
 bytes holds row Bb+j in the low and row Bb+B/2+j in the high nibble of byte [k, j]; a last
 partial block of R rows viewed as (K, R/2) holds rows 2j and 2j+1 in byte [k, j].
 """
@@ -271,11 +271,11 @@ class Int4Linear(QuantizedLinear):
         return torch._weight_int4pack_mm_for_cpu(x, buffers["weight"], self.group_size, buffers["scales_and_zeros"])
 
     def _native_layout_ok(self) -> bool:
-        return self.out_features % _int4_block_rows() == 0  # whole blocks of the packing; padded_in % 32 == 0
+        return self.out_features % int4_block_rows() == 0  # whole blocks of the packing; padded_in % 32 == 0
 
     def _native_kernel(self, x: torch.Tensor) -> torch.Tensor:
         buffers = self._buffers
-        return native.int4_matmul(x, buffers["weight"], buffers["scales_and_zeros"], _int4_block_rows(),
+        return native.int4_matmul(x, buffers["weight"], buffers["scales_and_zeros"], int4_block_rows(),
                                   self.group_size)
 
     def codes(self) -> torch.Tensor:
@@ -338,7 +338,7 @@ def int4_round(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> to
 
 
 @functools.cache
-def _int4_block_rows() -> int:
+def int4_block_rows() -> int:
     """Rows per block of the int4 packing on this CPU: where row B/2 lands tells B (64 or 32)."""
     probe = torch.zeros(64, 32, dtype=torch.int32)
     probe[32, 0] = 1
@@ -349,7 +349,7 @@ def _int4_block_rows() -> int:
 def _unpack_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """Invert `_convert_weight_to_int4pack_for_cpu` (layout in the module docstring) → (n, k) uint8 codes."""
     out = torch.empty(n, k, dtype=torch.uint8, device=packed.device)
-    b = _int4_block_rows()
+    b = int4_block_rows()
     full = n // b * b
     if full:  # transpose the bytes first, then each nibble plane is b/2 whole rows
         p = packed[:full].view(full // b, k, b // 2).transpose(1, 2)

@@ -26,7 +26,7 @@ from torch import nn
 from . import native
 from .attention import AttentionMetadata, DenseAttentionMetadata, DenseMask, attend
 from .config import ModelConfig
-from .paged_attention import PagedAttentionMetadata, PagedKVCache
+from .paged_attention import PagedAttentionMetadata, PagedKVCache, cache_native_ok
 from .rope import RotaryEmbedding, apply_rotary
 
 
@@ -386,8 +386,62 @@ class Block(nn.Module):
         self.local_rope = cfg.rope_local_theta is not None and cfg.is_sliding_layer(layer_idx)  # Gemma 3
 
     def forward(self, x, cos, sin, attn, kv_cache=None):
+        if isinstance(attn, PagedAttentionMetadata) and self._native_linears() and native.takes(x):
+            out = self._decode_natively(x, cos, sin, attn, kv_cache)
+            if out is not None:
+                return out
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def _native_linears(self) -> list | None:
+        """qkv, o, gate/up and down if an all-decode step of this block can run as one native call
+        (`native.decode_layer`): a plain Llama-family block (no biases, q/k norms, clipping or soft-capping;
+        SwiGLU) whose linears are int4 on the native kernel. Decided once, and again if a linear is replaced."""
+        found = self.__dict__.get("_native_layer", False)
+        if found is False or (found and not self._still_holds(found)):  # e.g. LoRA wrapped a linear since
+            found = self.__dict__["_native_layer"] = self._find_native_linears()
+        return found
+
+    def _still_holds(self, linears: list) -> bool:
+        attn, mlp = self.self_attn, self.mlp
+        return (linears[0] is getattr(attn, "qkv_proj", None) and linears[1] is getattr(attn, "o_proj", None)
+                and linears[2] is getattr(mlp, "gate_up_proj", None) and linears[3] is getattr(mlp, "down_proj", None))
+
+    def _find_native_linears(self) -> list | None:
+        from .quant import Int4Linear
+
+        attn, mlp, norms = self.self_attn, self.mlp, (self.input_layernorm, self.post_attention_layernorm)
+        if not (type(self) is Block and type(attn) is Attention and type(mlp) is MLP and mlp.act is F.silu):
+            return None
+        linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        plain = (not hasattr(attn, "q_norm") and attn.clip_qkv is None and attn.softcap is None
+                 and not any(n.unit_offset for n in norms) and norms[0].eps == norms[1].eps
+                 and attn.head_dim % 16 == 0 and attn.n_heads % attn.n_kv == 0
+                 and attn.n_heads // attn.n_kv <= native.MAX_QUERY_GROUP and mlp.down_proj.in_features % 8 == 0)
+        if not plain or not all(type(lin) is Int4Linear and lin.bias is None and lin.padded_in == lin.in_features
+                                and lin.compute_dtype == torch.bfloat16 and lin._native_ready() for lin in linears):
+            return None
+        return linears
+
+    def _decode_natively(self, x, cos, sin, meta: PagedAttentionMetadata, cache: PagedKVCache):
+        """The block's all-decode step in one native call, or None where this step is not one (some
+        sequence brings several tokens, the pool or the rotary tables are not what the kernel reads)."""
+        attn = self.self_attn
+        dec = meta.decode_batch(cache.block_size, attn.window)
+        n, d = x.shape[1], x.shape[-1]
+        if (dec is None or dec.rows is not None or x.dim() != 3 or x.shape[0] != 1 or not cache_native_ok(cache)
+                or cos.shape != (1, n, 1, attn.head_dim) or sin.shape != cos.shape or cos.dtype != torch.float32
+                or not (cos.is_contiguous() and sin.is_contiguous())):
+            return None
+        from .quant import int4_block_rows
+
+        out = x.clone()
+        native.decode_layer(out, (self.input_layernorm.weight, self.post_attention_layernorm.weight),
+                            self.input_layernorm.eps, self._native_linears(), int4_block_rows(), cos, sin,
+                            cache.k[attn.layer_idx], cache.v[attn.layer_idx], meta.slot_mapping, dec.block_tables,
+                            dec.lens_tensor(), meta.first_key, attn.window, (attn.n_heads, attn.n_kv, attn.head_dim),
+                            attn.scale)
+        return out
 
 
 class SandwichBlock(Block):
