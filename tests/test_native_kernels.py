@@ -22,6 +22,24 @@ def fresh_native():
     clear()
 
 
+RAGGED_PROMPTS = [[5, 9, 3], list(range(10, 40)), [7] * 11]
+
+
+def _greedy(model, max_tokens: int) -> list[tuple[list[int], list[float]]]:
+    """Tokens and their logprobs for RAGGED_PROMPTS decoded together (blocks of 4: contexts span several)."""
+    from tokenmind.engine.config import EngineConfig
+    from tokenmind.engine.llm import Engine
+    from tokenmind.engine.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=0)
+    engine = Engine(model, config=EngineConfig(block_size=4, max_num_seqs=4))
+    ids = [engine.add_request(p, params) for p in RAGGED_PROMPTS]
+    finals = {}
+    while engine.has_unfinished():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    return [(finals[i].outputs[0].token_ids, [s.logprob for s in finals[i].outputs[0].logprobs]) for i in ids]
+
+
 def _reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (x.double() @ weight.double().T)
 
@@ -196,9 +214,6 @@ def test_decode_attention_reads_the_paged_pool_in_place(window, first_key):
 def test_engine_decode_on_native_attention_equals_the_gathered_path(monkeypatch, fresh_native):
     """Greedy decoding of a batch of ragged prompts (blocks of 4, so contexts span several) gives the
     tokens and logprobs of PyTorch's gather + SDPA path."""
-    from tokenmind.engine.config import EngineConfig
-    from tokenmind.engine.llm import Engine
-    from tokenmind.engine.sampling import SamplingParams
     from tokenmind.model import paged_attention
     from tokenmind.model.config import ModelConfig
     from tokenmind.model.transformer import Transformer
@@ -207,30 +222,16 @@ def test_engine_decode_on_native_attention_equals_the_gathered_path(monkeypatch,
     cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=6, num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
     model = Transformer(cfg).eval()
-    prompts = [[5, 9, 3], list(range(10, 40)), [7] * 11]
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
-
-    def generate():
-        engine = Engine(model, config=EngineConfig(block_size=4, max_num_seqs=4))
-        ids = [engine.add_request(p, params) for p in prompts]
-        finals = {}
-        while engine.has_unfinished():
-            finals.update({o.request_id: o for o in engine.step() if o.finished})
-        return [finals[i].outputs[0] for i in ids]
-
     calls = []
     real = native.decode_attention
     monkeypatch.setattr(native, "decode_attention", lambda *a: calls.append(1) or real(*a))
     monkeypatch.setenv("TOKENMIND_NATIVE", "1")
-    got = generate()
+    got = _greedy(model, 12)
     assert calls
     monkeypatch.setattr(paged_attention, "_native_decode_ok", lambda q, cache: False)
-    want = generate()
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    for a, b in zip(got, want):
-        lp_a = [step.logprob for step in a.logprobs]
-        lp_b = [step.logprob for step in b.logprobs]
-        assert lp_a == pytest.approx(lp_b, abs=1e-5)
+    want = _greedy(model, 12)
+    for (tokens_a, lp_a), (tokens_b, lp_b) in zip(got, want):
+        assert tokens_a == tokens_b and lp_a == pytest.approx(lp_b, abs=1e-5)
 
 
 @needs_native
@@ -289,9 +290,6 @@ def test_a_decode_layer_in_one_call_gives_the_modules_result_bit_for_bit(monkeyp
     """An int4 Llama-family model decoding ragged prompts in a batch (prefill and mixed steps through the
     modules, all-decode steps through `native.decode_layer`) gives exactly the tokens and logprobs of the
     same steps run module by module on the same native kernels."""
-    from tokenmind.engine.config import EngineConfig
-    from tokenmind.engine.llm import Engine
-    from tokenmind.engine.sampling import SamplingParams
     from tokenmind.model.config import ModelConfig
     from tokenmind.model.quant import quantize_model
     from tokenmind.model.transformer import Block, Transformer
@@ -301,28 +299,17 @@ def test_a_decode_layer_in_one_call_gives_the_modules_result_bit_for_bit(monkeyp
     cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     model = quantize_model(Transformer(cfg).eval(), "int4", quantize_lm_head=False)
-    prompts = [[5, 9, 3], list(range(10, 40)), [7] * 11]
-    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0)
-
-    def generate():
-        engine = Engine(model, config=EngineConfig(block_size=4, max_num_seqs=4))
-        ids = [engine.add_request(p, params) for p in prompts]
-        finals = {}
-        while engine.has_unfinished():
-            finals.update({o.request_id: o for o in engine.step() if o.finished})
-        return [(finals[i].outputs[0].token_ids, [s.logprob for s in finals[i].outputs[0].logprobs]) for i in ids]
-
     calls = []
     real = native.decode_layer
     monkeypatch.setattr(native, "decode_layer", lambda *a: calls.append(1) or real(*a))
-    fused = generate()
+    fused = _greedy(model, 10)
     assert len(calls) >= 3 * 9  # every layer of every all-decode step
     for block in model.modules():
         if isinstance(block, Block):
             assert block._native_linears() is not None
             block.__dict__["_native_layer"] = None  # module by module from here
     calls.clear()
-    assert generate() == fused and not calls
+    assert _greedy(model, 10) == fused and not calls
 
 
 @needs_native
