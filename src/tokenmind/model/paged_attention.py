@@ -256,7 +256,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
     starts, lens = meta.query_start_loc, meta.seq_lens
     dec = meta.decode_batch(cache.block_size, window)
     if dec is not None:
-        if dec.rows is None and native_scale is not None and _native_decode_ok(q, cache):
+        if (dec.rows is None and native_scale is not None and dec.block_tables.dtype == torch.int64
+                and _native_decode_ok(q, cache)):
             # an all-decode step read in place from the pool: no gather, no padding, no mask
             return native.decode_attention(q[0].contiguous(), cache.k[layer], cache.v[layer], dec.block_tables,
                                            dec.lens_tensor(), meta.first_key, window, native_scale)[None]

@@ -430,6 +430,7 @@ class Block(nn.Module):
         dec = meta.decode_batch(cache.block_size, attn.window)
         n, d = x.shape[1], x.shape[-1]
         if (dec is None or dec.rows is not None or x.dim() != 3 or x.shape[0] != 1 or not cache_native_ok(cache)
+                or meta.slot_mapping.dtype != torch.int64 or dec.block_tables.dtype != torch.int64
                 or cos.shape != (1, n, 1, attn.head_dim) or sin.shape != cos.shape or cos.dtype != torch.float32
                 or not (cos.is_contiguous() and sin.is_contiguous())):
             return None
