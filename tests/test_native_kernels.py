@@ -327,3 +327,18 @@ def test_a_linear_replaced_after_decoding_is_seen(monkeypatch, fresh_native):
     assert block._native_linears() is not None
     block.self_attn.o_proj = torch.nn.Linear(64, 64, bias=False)
     assert block._native_linears() is None
+
+
+def test_the_native_checks_leave_a_compiled_forward_in_one_graph(monkeypatch, fresh_native):
+    """`train.compile` traces the model: the native ops' checks must not break its graph (they answer
+    no while tracing), with or without the kernels."""
+    from tokenmind.model.config import ModelConfig
+    from tokenmind.model.transformer import Transformer
+
+    monkeypatch.setenv("TOKENMIND_NATIVE", "1")
+    torch._dynamo.reset()
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = Transformer(cfg)
+    explained = torch._dynamo.explain(model.hidden_states)(torch.randint(0, 64, (2, 8)))
+    assert explained.graph_break_count == 0, explained.break_reasons

@@ -2,8 +2,8 @@
 
 Why C and not a PyTorch extension: the file includes no PyTorch header, so it compiles in about a
 second (a `torch.utils.cpp_extension` build takes ~90 s on 2 cores), and the kernels take raw
-pointers. The library goes to `~/.cache/tokenmind/native/` under a name that hashes the source and
-the compiler command, written to a temporary name and renamed. It is linked against OpenMP, which
+pointers. The library goes to `~/.cache/tokenmind/native/` under a name that hashes the source, the
+compiler's file identity and the flags, written to a temporary name and renamed. It is linked against OpenMP, which
 resolves to the `libgomp.so.1` PyTorch has already loaded, so both share one thread pool.
 
 `available()` is false where the CPU lacks AVX2/FMA, no compiler works, or `TOKENMIND_NATIVE=0` is
@@ -122,6 +122,8 @@ def takes(x: torch.Tensor, *others: torch.Tensor, contiguous: bool = True) -> bo
     """Whether an inference op on these tensors can run natively: the kernels are preferred here, x is a
     float32 CPU tensor (contiguous, unless the caller checked its strides), and no autograd graph is
     being recorded through any of them (the native ops have no backward, so training keeps PyTorch's)."""
+    if torch.compiler.is_compiling():  # traced code keeps PyTorch's ops (and the trace needs no graph break here)
+        return False
     if not (preferred() and x.dtype == torch.float32 and x.device.type == "cpu" and (x.is_contiguous() or not contiguous)):
         return False
     if not torch.is_grad_enabled():  # inference: the common case, decided without looking further
