@@ -233,10 +233,10 @@ def cache_native_ok(cache: PagedKVCache) -> bool:
 
 def _native_decode_ok(q: torch.Tensor, cache: PagedKVCache) -> bool:
     """Whether `native.decode_attention` can take this layer's all-decode step: the pool (`cache_native_ok`),
-    float32 queries whose heads share key heads evenly, no autograd."""
-    k = cache.k
-    return (cache_native_ok(cache) and q.dtype == torch.float32 and q.shape[2] % k.shape[3] == 0
-            and q.shape[2] // k.shape[3] <= native.MAX_QUERY_GROUP and not (torch.is_grad_enabled() and q.requires_grad))
+    float32 queries whose heads share key heads evenly, no autograd (`native.takes`)."""
+    kv_heads = cache.k.shape[3]
+    return (cache_native_ok(cache) and native.takes(q, contiguous=False) and q.shape[2] % kv_heads == 0
+            and q.shape[2] // kv_heads <= native.MAX_QUERY_GROUP)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, layer: int,
