@@ -285,10 +285,10 @@ def test_the_native_decode_ops_leave_training_to_pytorch(monkeypatch, fresh_nati
 
 
 @needs_native
-def test_a_decode_layer_in_one_call_gives_the_modules_result_bit_for_bit(monkeypatch, fresh_native):
+def test_a_decode_step_in_one_call_gives_the_modules_result_bit_for_bit(monkeypatch, fresh_native):
     """An int4 Llama-family model decoding ragged prompts in a batch (prefill and mixed steps through the
-    modules, all-decode steps through `native.decode_layer`) gives exactly the tokens and logprobs of the
-    same steps run module by module on the same native kernels."""
+    modules, all-decode steps through one `native.decode_layers` call for all layers) gives exactly the
+    tokens and logprobs of the same steps run module by module on the same native kernels."""
     from tokenmind.model.config import ModelConfig
     from tokenmind.model.quant import quantize_model
     from tokenmind.model.transformer import Block, Transformer
@@ -299,14 +299,14 @@ def test_a_decode_layer_in_one_call_gives_the_modules_result_bit_for_bit(monkeyp
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     model = quantize_model(Transformer(cfg).eval(), "int4", quantize_lm_head=False)
     calls = []
-    real = native.decode_layer
-    monkeypatch.setattr(native, "decode_layer", lambda *a: calls.append(1) or real(*a))
+    real = native.decode_layers
+    monkeypatch.setattr(native, "decode_layers", lambda x, layers, *a: calls.append(len(layers)) or real(x, layers, *a))
     fused = _greedy(model, 10)
-    assert len(calls) >= 3 * 9  # every layer of every all-decode step
+    assert len(calls) >= 9 and set(calls) == {3}  # every all-decode step, all layers in its one call
     for block in model.modules():
         if isinstance(block, Block):
             assert block._native_linears() is not None
-            block.__dict__["_native_layer"] = None  # module by module from here
+    model.layers[1].__dict__["_native_layer"] = None  # one block that cannot: the step runs module by module
     calls.clear()
     assert _greedy(model, 10) == fused and not calls
 

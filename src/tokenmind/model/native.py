@@ -100,10 +100,9 @@ def library() -> ctypes.CDLL | None:
     lib.tm_rotary.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ptr, i64]
     lib.tm_silu_mul.argtypes = [ptr, i64, i64, ptr]
     lib.tm_rms_norm.restype = lib.tm_rotary.restype = lib.tm_silu_mul.restype = None
-    lib.tm_decode_layer.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_float, *[ptr, ptr, i64] * 4, i64, i64,
-                                    ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64,
-                                    ctypes.c_float, ctypes.c_int]
-    lib.tm_decode_layer.restype = ctypes.c_int
+    lib.tm_decode_layers.argtypes = [ptr, i64, i64, i64, ptr, ptr, ctypes.c_float, i64, i64, ptr, ptr, ptr, ptr, i64,
+                                     ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+    lib.tm_decode_layers.restype = ctypes.c_int
     return lib
 
 
@@ -208,20 +207,26 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def decode_layer(x: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor], eps: float, linears: list,
-                 block_rows: int, cos: torch.Tensor, signed_sin: torch.Tensor, k_pool: torch.Tensor,
-                 v_pool: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor,
-                 first_key: int, window: int | None, heads: tuple[int, int, int], scale: float) -> None:
-    """One all-decode step of a plain pre-norm block in one call (`tm_decode_layer`), x (1, N, d) updated in
-    place. linears: the Int4Linears qkv, o, gate_up, down (PyTorch's packing, bf16 scales and zeros);
+def decode_layers(x: torch.Tensor, layers: list, eps: float, block_rows: int, cos: torch.Tensor,
+                  signed_sin: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor,
+                  first_key: int, window: int | None, heads: tuple[int, int, int], scale: float) -> None:
+    """One all-decode step of a stack of plain pre-norm blocks in one call (`tm_decode_layers`), x (1, N, d)
+    updated in place. layers: per block ((input norm weight, post-attention norm weight), [the Int4Linears
+    qkv, o, gate_up, down] (PyTorch's packing, bf16 scales and zeros), (key pool, value pool) of its layer);
     heads: (H, H_kv, head_dim); the rest as in `decode_attention` and `rotary`."""
     n, d = x.shape[1], x.shape[2]
-    weights = []
-    for lin in linears:
-        weights += [lin.weight.data_ptr(), lin.scales_and_zeros.data_ptr(), lin.group_size]
+    ptrs, groups = [], []
+    for (ln1, ln2), linears, (k_pool, v_pool) in layers:
+        ptrs += [ln1.data_ptr(), ln2.data_ptr()]
+        for lin in linears:
+            buffers = lin._buffers
+            ptrs += [buffers["weight"].data_ptr(), buffers["scales_and_zeros"].data_ptr()]
+            groups.append(lin.group_size)
+        ptrs += [k_pool.data_ptr(), v_pool.data_ptr()]
     h, hkv, hd = heads
-    _checked(library().tm_decode_layer(
-        x.data_ptr(), n, d, norms[0].data_ptr(), norms[1].data_ptr(), eps, *weights, block_rows,
-        linears[3].in_features, cos.data_ptr(), signed_sin.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
-        slots.data_ptr(), block_tables.data_ptr(), block_tables.stride(0), lens.data_ptr(), first_key, window or 0,
-        h, hkv, hd, k_pool.shape[1], scale, torch.get_num_threads()))
+    k_pool = layers[0][2][0]
+    _checked(library().tm_decode_layers(
+        x.data_ptr(), n, d, len(layers), (ctypes.c_int64 * len(ptrs))(*ptrs), (ctypes.c_int64 * len(groups))(*groups),
+        eps, block_rows, layers[0][1][3].in_features, cos.data_ptr(), signed_sin.data_ptr(), slots.data_ptr(),
+        block_tables.data_ptr(), block_tables.stride(0), lens.data_ptr(), first_key, window or 0, h, hkv, hd,
+        k_pool.shape[1], scale, torch.get_num_threads()))

@@ -470,23 +470,18 @@ void tm_silu_mul(const float *gu, int64_t R, int64_t F, float *y) {
 /* One all-decode step of a plain pre-norm block (Llama family: RMSNorm, fused qkv, rotate-half RoPE,
  * GQA attention over the paged pool, o, SwiGLU with fused gate/up; int4 linears without bias) for N
  * tokens, one per sequence: x (N, d) += attention, then += MLP, in place. Each piece is the kernel the
- * layer's modules call one by one (model/transformer.py), so the output equals theirs; doing them in
- * one call removes the Python and PyTorch dispatch between them, most of a small model's decode step.
- * The new keys and values go to their `slots` in the pools before attention reads them. Returns 0, or
- * -1 when out of memory. */
-int tm_decode_layer(float *x, int64_t N, int64_t d, const float *ln1, const float *ln2, float eps,
-                    const uint8_t *qkv_w, const uint16_t *qkv_sz, int64_t qkv_group,
-                    const uint8_t *o_w, const uint16_t *o_sz, int64_t o_group,
-                    const uint8_t *gu_w, const uint16_t *gu_sz, int64_t gu_group,
-                    const uint8_t *dn_w, const uint16_t *dn_sz, int64_t dn_group, int64_t B, int64_t F,
-                    const float *cos, const float *ssin, float *kpool, float *vpool, const int64_t *slots,
-                    const int64_t *tables, int64_t tstride, const int64_t *lens, int64_t first_key, int64_t window,
-                    int64_t H, int64_t Hkv, int64_t D, int64_t bs, float scale, int threads) {
+ * layer's modules call one by one (model/transformer.py), so the output equals theirs. The new keys and
+ * values go to their `slots` in the pools before attention reads them. `mem` holds the step's
+ * intermediates (decode_layers sizes it). Returns 0, or -1 when out of memory. */
+static int decode_layer(float *x, int64_t N, int64_t d, const float *ln1, const float *ln2, float eps,
+                        const uint8_t *qkv_w, const uint16_t *qkv_sz, int64_t qkv_group,
+                        const uint8_t *o_w, const uint16_t *o_sz, int64_t o_group,
+                        const uint8_t *gu_w, const uint16_t *gu_sz, int64_t gu_group,
+                        const uint8_t *dn_w, const uint16_t *dn_sz, int64_t dn_group, int64_t B, int64_t F,
+                        const float *cos, const float *ssin, float *kpool, float *vpool, const int64_t *slots,
+                        const int64_t *tables, int64_t tstride, const int64_t *lens, int64_t first_key, int64_t window,
+                        int64_t H, int64_t Hkv, int64_t D, int64_t bs, float scale, int threads, float *mem) {
     const int64_t row = (H + 2 * Hkv) * D;
-    const size_t floats = (size_t)(N * (d + row + H * D + d + 2 * F + F));
-    float *mem = malloc(sizeof(float) * floats);
-    if (!mem)
-        return -1;
     float *h = mem, *qkv = h + N * d, *att = qkv + N * row, *o = att + N * H * D, *gu = o + N * d, *act = gu + N * 2 * F;
     int status = 0;
     tm_rms_norm(x, ln1, eps, N, d, h);
@@ -511,6 +506,38 @@ int tm_decode_layer(float *x, int64_t N, int64_t d, const float *ln1, const floa
     status |= tm_int4_matmul(act, N, F, dn_w, dn_sz, d, B, dn_group, o, threads);
     for (int64_t j = 0; j < N * d; j++)
         x[j] += o[j];
-    free(mem);
     return status ? -1 : 0;
+}
+
+/* Pointers of one layer as decode_layers reads them (an int64 row each, so Python fills one array):
+ * the two norm weights, then (packed weight, scales and zeros) of qkv, o, gate/up and down, then the
+ * layer's key and value pools. */
+enum { P_LN1, P_LN2, P_QKV, P_QKV_SZ, P_O, P_O_SZ, P_GU, P_GU_SZ, P_DN, P_DN_SZ, P_K, P_V, P_COUNT };
+
+/* An all-decode step of L such blocks in one call (the arguments of decode_layer, per layer in `ptrs`
+ * (L, P_COUNT) and `groups` (L, 4): the group sizes of qkv, o, gate/up and down). One call per step
+ * instead of one per layer removes the Python between layers, a sixth of a 135M model's batch-1 step. */
+int tm_decode_layers(float *x, int64_t N, int64_t d, int64_t L, const int64_t *ptrs, const int64_t *groups,
+                     float eps, int64_t B, int64_t F, const float *cos, const float *ssin, const int64_t *slots,
+                     const int64_t *tables, int64_t tstride, const int64_t *lens, int64_t first_key, int64_t window,
+                     int64_t H, int64_t Hkv, int64_t D, int64_t bs, float scale, int threads) {
+    const int64_t row = (H + 2 * Hkv) * D;
+    float *mem = malloc(sizeof(float) * (size_t)(N * (d + row + H * D + d + 2 * F + F)));
+    if (!mem)
+        return -1;
+    int status = 0;
+    for (int64_t l = 0; l < L && !status; l++) {
+        const int64_t *p = ptrs + l * P_COUNT, *g = groups + 4 * l;
+#define PTR(type, i) ((type *)(intptr_t)p[i])
+        status = decode_layer(x, N, d, PTR(const float, P_LN1), PTR(const float, P_LN2), eps,
+                              PTR(const uint8_t, P_QKV), PTR(const uint16_t, P_QKV_SZ), g[0],
+                              PTR(const uint8_t, P_O), PTR(const uint16_t, P_O_SZ), g[1],
+                              PTR(const uint8_t, P_GU), PTR(const uint16_t, P_GU_SZ), g[2],
+                              PTR(const uint8_t, P_DN), PTR(const uint16_t, P_DN_SZ), g[3], B, F, cos, ssin,
+                              PTR(float, P_K), PTR(float, P_V), slots, tables, tstride, lens, first_key, window,
+                              H, Hkv, D, bs, scale, threads, mem);
+#undef PTR
+    }
+    free(mem);
+    return status;
 }

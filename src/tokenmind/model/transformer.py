@@ -386,16 +386,12 @@ class Block(nn.Module):
         self.local_rope = cfg.rope_local_theta is not None and cfg.is_sliding_layer(layer_idx)  # Gemma 3
 
     def forward(self, x, cos, sin, attn, kv_cache=None):
-        if isinstance(attn, PagedAttentionMetadata) and self._native_linears() and native.takes(x):
-            out = self._decode_natively(x, cos, sin, attn, kv_cache)
-            if out is not None:
-                return out
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def _native_linears(self) -> list | None:
-        """qkv, o, gate/up and down if an all-decode step of this block can run as one native call
-        (`native.decode_layer`): a plain Llama-family block (no biases, q/k norms, clipping or soft-capping;
+        """qkv, o, gate/up and down if this block can run in a native all-decode step
+        (`Transformer._decode_natively`): a plain Llama-family block (no biases, q/k norms, clipping or soft-capping;
         SwiGLU) whose linears are int4 on the native kernel. Decided once, and again if a linear is replaced."""
         found = self.__dict__.get("_native_layer", False)
         if found is False or (found and not self._still_holds(found)):  # e.g. LoRA wrapped a linear since
@@ -422,27 +418,6 @@ class Block(nn.Module):
                                 and lin.compute_dtype == torch.bfloat16 and lin._native_ready() for lin in linears):
             return None
         return linears
-
-    def _decode_natively(self, x, cos, sin, meta: PagedAttentionMetadata, cache: PagedKVCache):
-        """The block's all-decode step in one native call, or None where this step is not one (some
-        sequence brings several tokens, the pool or the rotary tables are not what the kernel reads)."""
-        attn = self.self_attn
-        dec = meta.decode_batch(cache.block_size, attn.window)
-        n, d = x.shape[1], x.shape[-1]
-        if (dec is None or dec.rows is not None or x.dim() != 3 or x.shape[0] != 1 or not cache_native_ok(cache)
-                or meta.slot_mapping.dtype != torch.int64 or dec.block_tables.dtype != torch.int64
-                or cos.shape != (1, n, 1, attn.head_dim) or sin.shape != cos.shape or cos.dtype != torch.float32
-                or not (cos.is_contiguous() and sin.is_contiguous())):
-            return None
-        from .quant import int4_block_rows
-
-        out = x.clone()
-        native.decode_layer(out, (self.input_layernorm.weight, self.post_attention_layernorm.weight),
-                            self.input_layernorm.eps, self._native_linears(), int4_block_rows(), cos, sin,
-                            cache.k[attn.layer_idx], cache.v[attn.layer_idx], meta.slot_mapping, dec.block_tables,
-                            dec.lens_tensor(), meta.first_key, attn.window, (attn.n_heads, attn.n_kv, attn.head_dim),
-                            attn.scale)
-        return out
 
 
 class SandwichBlock(Block):
@@ -562,6 +537,10 @@ class Transformer(nn.Module):
         ropes = {False: self.rotary(positions, x.dtype)}
         if self.local_rotary is not None:
             ropes[True] = self.local_rotary(positions, x.dtype)
+        if isinstance(attn, PagedAttentionMetadata) and native.takes(x):
+            out = self._decode_natively(blocks, x, ropes, attn, kv_cache)
+            if out is not None:
+                return out
         for layer in blocks:
             (cos, sin), mask = ropes[layer.local_rope], masks[layer.self_attn.window]
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
@@ -569,6 +548,38 @@ class Transformer(nn.Module):
             else:
                 x = layer(x, cos, sin, mask, kv_cache)
         return x
+
+    def _decode_natively(self, blocks, x, ropes, meta: PagedAttentionMetadata, cache: PagedKVCache):
+        """The blocks' all-decode step in one native call (`native.decode_layers`), or None where this step
+        is not one (some sequence brings several tokens, a block is not the plain int4 kind
+        `Block._native_linears` describes, the blocks differ in window or rotary table, or the pool or the
+        tables are not what the kernel reads): then the blocks run one by one."""
+        first = blocks[0].self_attn if len(blocks) else None
+        if (first is None or x.dim() != 3 or x.shape[0] != 1 or not cache_native_ok(cache)
+                or meta.slot_mapping.dtype != torch.int64):
+            return None
+        layers, eps = [], blocks[0].input_layernorm.eps
+        for block in blocks:
+            linears = block._native_linears()
+            attn, norms = block.self_attn, (block.input_layernorm, block.post_attention_layernorm)
+            if (linears is None or attn.window != first.window or block.local_rope != blocks[0].local_rope
+                    or norms[0].eps != eps):
+                return None
+            layers.append(((norms[0].weight, norms[1].weight), linears, (cache.k[attn.layer_idx], cache.v[attn.layer_idx])))
+        dec = meta.decode_batch(cache.block_size, first.window)
+        cos, sin = ropes[blocks[0].local_rope]
+        n = x.shape[1]
+        if (dec is None or dec.rows is not None or dec.block_tables.dtype != torch.int64
+                or cos.shape != (1, n, 1, first.head_dim) or sin.shape != cos.shape or cos.dtype != torch.float32
+                or not (cos.is_contiguous() and sin.is_contiguous())):
+            return None
+        from .quant import int4_block_rows
+
+        out = x.clone()
+        native.decode_layers(out, layers, eps, int4_block_rows(), cos, sin, meta.slot_mapping, dec.block_tables,
+                             dec.lens_tensor(), meta.first_key, first.window, (first.n_heads, first.n_kv, first.head_dim),
+                             first.scale)
+        return out
 
     def hf_config(self) -> dict:
         """The config.json that `transformers` loads this model's checkpoint with."""
