@@ -285,8 +285,9 @@ def test_the_native_decode_ops_leave_training_to_pytorch(monkeypatch, fresh_nati
 
 
 @needs_native
-def test_a_decode_step_in_one_call_gives_the_modules_result_bit_for_bit(monkeypatch, fresh_native):
-    """An int4 Llama-family model decoding ragged prompts in a batch (prefill and mixed steps through the
+@pytest.mark.parametrize("scheme", ["int4", "int8", "mixed"])
+def test_a_decode_step_in_one_call_gives_the_modules_result_bit_for_bit(scheme, monkeypatch, fresh_native):
+    """An int4, int8 or mixed (as GGUF files mix 4- and 8-bit tensors) Llama-family model decoding ragged prompts in a batch (prefill and mixed steps through the
     modules, all-decode steps through one `native.decode_layers` call for all layers) gives exactly the
     tokens and logprobs of the same steps run module by module on the same native kernels."""
     from tokenmind.model.config import ModelConfig
@@ -297,7 +298,10 @@ def test_a_decode_step_in_one_call_gives_the_modules_result_bit_for_bit(monkeypa
     torch.manual_seed(11)
     cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    model = quantize_model(Transformer(cfg).eval(), "int4", quantize_lm_head=False)
+    model = quantize_model(Transformer(cfg).eval(), "int8" if scheme == "int8" else "int4", quantize_lm_head=False)
+    if scheme == "mixed":
+        for block in model.layers:
+            block.mlp.down_proj = Int8Linear.from_float(block.mlp.down_proj.dequantize())
     calls = []
     real = native.decode_layers
     monkeypatch.setattr(native, "decode_layers", lambda x, layers, *a: calls.append(len(layers)) or real(x, layers, *a))

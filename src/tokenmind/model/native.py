@@ -211,17 +211,18 @@ def decode_layers(x: torch.Tensor, layers: list, eps: float, block_rows: int, co
                   signed_sin: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor,
                   first_key: int, window: int | None, heads: tuple[int, int, int], scale: float) -> None:
     """One all-decode step of a stack of plain pre-norm blocks in one call (`tm_decode_layers`), x (1, N, d)
-    updated in place. layers: per block ((input norm weight, post-attention norm weight), [the Int4Linears
-    qkv, o, gate_up, down] (PyTorch's packing, bf16 scales and zeros), (key pool, value pool) of its layer);
-    heads: (H, H_kv, head_dim); the rest as in `decode_attention` and `rotary`."""
+    updated in place. layers: per block ((input norm weight, post-attention norm weight), [the linears qkv,
+    o, gate_up, down: each an Int4Linear (PyTorch's packing, bf16 scales and zeros) or an Int8Linear],
+    (key pool, value pool) of its layer); heads: (H, H_kv, head_dim); the rest as in `decode_attention`
+    and `rotary`."""
     n, d = x.shape[1], x.shape[2]
     ptrs, groups = [], []
     for (ln1, ln2), linears, (k_pool, v_pool) in layers:
         ptrs += [ln1.data_ptr(), ln2.data_ptr()]
         for lin in linears:
             buffers = lin._buffers
-            ptrs += [buffers["weight"].data_ptr(), buffers["scales_and_zeros"].data_ptr()]
-            groups.append(lin.group_size)
+            ptrs += [buffers["weight"].data_ptr(), buffers[lin._scales_name].data_ptr()]
+            groups.append(getattr(lin, "group_size", 0))  # 0: int8
         ptrs += [k_pool.data_ptr(), v_pool.data_ptr()]
     h, hkv, hd = heads
     k_pool = layers[0][2][0]

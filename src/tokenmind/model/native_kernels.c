@@ -2,8 +2,11 @@
  *
  * PyTorch's CPU int4/int8 kernels run at 2.7-3.5 G weights/s on an AVX2-only CPU, well under what memory
  * bandwidth allows for 4-bit weights. These kernels quantize each activation row to int16 per block of 32
- * columns (scale = max|x| / 32767, so the activations keep ~15 bits against bf16's 8) and sum code x
- * activation products in int32 with _mm256_madd_epi16, converting to float once per block.
+ * columns (scale = max|x| / XQ_MAX, so the activations keep ~15 bits against bf16's 8) and sum code x
+ * activation products exactly in integers, converting to float once per block: int8 with
+ * _mm256_madd_epi16; int4 with _mm256_maddubs_epi16 straight on the 4-bit codes (as unsigned bytes)
+ * against the activations' two signed bytes (x = 256 hi + lo), half the instructions of widening
+ * the codes to 16 bits.
  *
  * int4 reads PyTorch's own packing (`torch._convert_weight_to_int4pack_for_cpu`, layout in
  * model/quant.py's docstring): rows in blocks of B (32 or 64); block viewed as (K, B/2) bytes, byte
@@ -25,9 +28,15 @@
  * ~3 GB/s here, with these software prefetches ~10 GB/s (the machine's bandwidth; AMD EPYC, AVX2). */
 #define PREFETCH_BYTES 4096
 
-/* Per row m and 32-column block b: xq = round(x / dx) with dx = max|x| / 32767, the exact float sum of
- * x, and 8 * sum(xq) (the int4 codes' offset of 8, taken out in integers). */
-static void quantize_rows(const float *x, int64_t M, int64_t K, int16_t *xq, float *dx, float *sx, int32_t *sq8) {
+/* The largest quantized activation: x = 256 hi + lo with both bytes signed needs |x| <= 127 * 256 + 127. */
+#define XQ_MAX 32639
+
+/* Per row m and 32-column block b: xq = round(x / dx) with dx = max|x| / XQ_MAX, the exact float sum of
+ * x, and 8 * sum(xq) (the int4 codes' offset of 8, taken out in integers). split: store each xq as its
+ * bytes (lo, hi) with x = 256 hi + lo, both signed (what the int4 kernel multiplies the codes by):
+ * x + 256 where lo is negative, i.e. x + ((x & 0x80) << 1). */
+static void quantize_rows(const float *x, int64_t M, int64_t K, int split, int16_t *xq, float *dx, float *sx,
+                          int32_t *sq8) {
     const int64_t nb = K / 32;
     for (int64_t m = 0; m < M; m++) {
         for (int64_t b = 0; b < nb; b++) {
@@ -39,15 +48,15 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int16_t *xq, flo
                 amax = a > amax ? a : amax;
                 sum += xb[j];
             }
-            const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+            const float inv = amax > 0.0f ? (float)XQ_MAX / amax : 0.0f;
             int32_t qsum = 0;
             for (int j = 0; j < 32; j++) {
                 long v = lrintf(xb[j] * inv);
-                v = v > 32767 ? 32767 : (v < -32767 ? -32767 : v);
-                qb[j] = (int16_t)v;
+                v = v > XQ_MAX ? XQ_MAX : (v < -XQ_MAX ? -XQ_MAX : v);
+                qb[j] = (int16_t)(split ? v + ((v & 0x80) << 1) : v);
                 qsum += (int32_t)v;
             }
-            dx[m * nb + b] = amax / 32767.0f;
+            dx[m * nb + b] = amax / (float)XQ_MAX;
             sx[m * nb + b] = sum;
             sq8[m * nb + b] = 8 * qsum;
         }
@@ -61,23 +70,54 @@ static inline void load_scales(const uint16_t *sz, __m256 *s, __m256 *z) {
     *z = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u)));
 }
 
-/* The 16 (code at k, code at k + 1) int16 pairs of one 16-byte chunk's rows at columns k and k + 1:
- * e[0], e[1] the low-nibble rows 0-7 and 8-15, e[2], e[3] the high-nibble rows. */
-static inline void expand_pair(const uint8_t *p, int64_t half, __m256i e[4]) {
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    __m128i a = _mm_loadu_si128((const __m128i *)p), c = _mm_loadu_si128((const __m128i *)(p + half));
-    __m128i alo = _mm_and_si128(a, mask), clo = _mm_and_si128(c, mask);
-    __m128i ahi = _mm_and_si128(_mm_srli_epi16(a, 4), mask), chi = _mm_and_si128(_mm_srli_epi16(c, 4), mask);
-    e[0] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(alo, clo));
-    e[1] = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(alo, clo));
-    e[2] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(ahi, chi));
-    e[3] = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(ahi, chi));
+/* One task's 32 rows (16 in low nibbles, 16 in high) at columns k..k+3 as maddubs operands: P[0], P[1]
+ * the low-nibble rows 0-7 and 8-15, P[2], P[3] the high-nibble ones; each 16-bit lane holds one row's
+ * codes (at k, at k + 2) in the low 128 bits and (at k + 1, at k + 3) in the high. `p` points at
+ * column k's 16 bytes, columns `stride` bytes apart (16 in the 32-row packing: two columns per load). */
+static inline __attribute__((always_inline)) void int4_codes4(const uint8_t *p, int64_t stride, __m256i P[4]) {
+    __m256i a, c;
+    if (stride == 16) {
+        a = _mm256_loadu_si256((const __m256i *)p);
+        c = _mm256_loadu_si256((const __m256i *)(p + 32));
+    } else {
+        a = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p)),
+                                    _mm_loadu_si128((const __m128i *)(p + stride)), 1);
+        c = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(p + 2 * stride))),
+                                    _mm_loadu_si128((const __m128i *)(p + 3 * stride)), 1);
+    }
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    const __m256i alo = _mm256_and_si256(a, mask), clo = _mm256_and_si256(c, mask);
+    const __m256i ahi = _mm256_and_si256(_mm256_srli_epi16(a, 4), mask), chi = _mm256_and_si256(_mm256_srli_epi16(c, 4), mask);
+    P[0] = _mm256_unpacklo_epi8(alo, clo);
+    P[1] = _mm256_unpackhi_epi8(alo, clo);
+    P[2] = _mm256_unpacklo_epi8(ahi, chi);
+    P[3] = _mm256_unpackhi_epi8(ahi, chi);
 }
 
-static inline __m256i x_pair(const int16_t *x) {  /* (x[0], x[1]) broadcast to every int32 lane: one load */
-    int32_t pair;
-    memcpy(&pair, x, sizeof pair);  /* little-endian: x[0] in the low half, as madd pairs it with the code at k */
-    return _mm256_set1_epi32(pair);
+/* Activation columns k..k+3 (split, see quantize_rows) as int4_codes4's partners: the high bytes
+ * (x_k, x_k+2 | x_k+1, x_k+3) into h and the low bytes into l, code x byte pairs summed per row. A lane
+ * sums at most 16 columns of one block: |sum| <= 16 * 15 * 128 fits in 16 bits. */
+static inline __attribute__((always_inline)) void int4_madd4(const __m256i P[4], const int16_t *xs, __m256i h[4],
+                                                            __m256i l[4]) {
+    int64_t v;
+    memcpy(&v, xs, sizeof v);
+    const __m256i b = _mm256_set1_epi64x(v);  /* bytes lo_k hi_k lo_k+1 hi_k+1 ... in both halves */
+    const __m256i xh = _mm256_shuffle_epi8(b, _mm256_setr_epi8(1, 5, 1, 5, 1, 5, 1, 5, 1, 5, 1, 5, 1, 5, 1, 5,
+                                                               3, 7, 3, 7, 3, 7, 3, 7, 3, 7, 3, 7, 3, 7, 3, 7));
+    const __m256i xl = _mm256_shuffle_epi8(b, _mm256_setr_epi8(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4,
+                                                               2, 6, 2, 6, 2, 6, 2, 6, 2, 6, 2, 6, 2, 6, 2, 6));
+    for (int i = 0; i < 4; i++) {
+        h[i] = _mm256_add_epi16(h[i], _mm256_maddubs_epi16(P[i], xh));
+        l[i] = _mm256_add_epi16(l[i], _mm256_maddubs_epi16(P[i], xl));
+    }
+}
+
+/* Eight rows' int32 sums 256 h + l from int4_madd4's 16-bit halves, the two column sets added. */
+static inline __m256i int4_rows8(__m256i h, __m256i l) {
+    const __m256i w = _mm256_set1_epi32((256 << 16) | 1);
+    const __m256i a = _mm256_madd_epi16(_mm256_unpacklo_epi16(l, h), w);  /* rows 0-3 of each column set */
+    const __m256i c = _mm256_madd_epi16(_mm256_unpackhi_epi16(l, h), w);  /* rows 4-7 */
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, c, 0x20), _mm256_permute2x128_si256(a, c, 0x31));
 }
 
 /* One 32-column block's integer sums acc (per row: sum of code * xq) into the float results f. */
@@ -94,24 +134,25 @@ static inline void int4_finish_block(const __m256i acc[4], const uint16_t *sz, i
     }
 }
 
-/* Integer sums of one 32-column block for `nm` (1 or 2) activation rows, expanding the codes in registers. */
-static inline __attribute__((always_inline)) void int4_block_sums(const uint8_t *p, int64_t half, const int16_t *x0,
-                                                                  const int16_t *x1, const int nm, __m256i acc0[4],
-                                                                  __m256i acc1[4]) {
+/* Integer sums (per row: sum of code * xq) of one 32-column block for one activation row, the codes
+ * expanded from `p` (stride as in int4_codes4) or, where p is NULL, read from `codes` (8 x 4 vectors). */
+static inline __attribute__((always_inline)) void int4_block_sums(const uint8_t *p, int64_t stride,
+                                                                  const __m256i codes[8][4], const int16_t *xs,
+                                                                  __m256i acc[4]) {
+    __m256i h[4], l[4];
     for (int i = 0; i < 4; i++)
-        acc0[i] = acc1[i] = _mm256_setzero_si256();
-    for (int k = 0; k < 16; k++) {
-        __m256i e[4];
-        expand_pair(p + 2 * k * half, half, e);
-        const __m256i xp0 = x_pair(x0 + 2 * k);
-        for (int i = 0; i < 4; i++)
-            acc0[i] = _mm256_add_epi32(acc0[i], _mm256_madd_epi16(e[i], xp0));
-        if (nm == 2) {
-            const __m256i xp1 = x_pair(x1 + 2 * k);
-            for (int i = 0; i < 4; i++)
-                acc1[i] = _mm256_add_epi32(acc1[i], _mm256_madd_epi16(e[i], xp1));
+        h[i] = l[i] = _mm256_setzero_si256();
+    for (int k = 0; k < 8; k++) {
+        if (p) {
+            __m256i P[4];
+            int4_codes4(p + 4 * k * stride, stride, P);
+            int4_madd4(P, xs + 4 * k, h, l);
+        } else {
+            int4_madd4(codes[k], xs + 4 * k, h, l);
         }
     }
+    for (int i = 0; i < 4; i++)
+        acc[i] = int4_rows8(h[i], l[i]);
 }
 
 /* Add one block's sums for activation row m into y (the running float results live in y). */
@@ -127,14 +168,16 @@ static inline void int4_add_block(const __m256i acc[4], const uint16_t *sz, int6
 }
 
 /* 32 output rows of one int4 block (16 in the low nibbles at `lo_row`, 16 in the high at `hi_row`)
- * for M activation rows. `blk` points at byte [0, 16c] of the block's (K, B/2) view. Up to 3 rows
- * expand the codes in registers, one or two rows per pass; more rows expand each 32-column block
- * once into `codes` and reuse it. */
-static void int4_rows32(const uint8_t *blk, int64_t half, const uint16_t *sz, int64_t N, int64_t K, int64_t group,
-                        int64_t M, const int16_t *xq, const float *dx, const float *sx, const int32_t *sq8,
-                        float *y, int64_t lo_row, int64_t hi_row) {
+ * for M activation rows. `blk` points at byte [0, 16c] of the block's (K, B/2) view, columns `half`
+ * bytes apart. One row expands the codes in registers; more expand each 32-column block once into
+ * `codes` and reuse it. */
+static inline __attribute__((always_inline)) void int4_rows32(const uint8_t *blk, int64_t half, const uint16_t *sz,
+                                                              int64_t N, int64_t K, int64_t group, int64_t M,
+                                                              const int16_t *xs, const float *dx, const float *sx,
+                                                              const int32_t *sq8, float *y, int64_t lo_row,
+                                                              int64_t hi_row) {
     const int64_t nb = K / 32;
-    __m256i codes[16][4], acc0[4], acc1[4];
+    __m256i codes[8][4], acc[4];
     /* The scales of successive groups are N rows apart: strided misses the prefetchers do not see, so
      * all of this task's are requested up front, to arrive while the first blocks are summed. */
     for (int64_t g = 0; g < K / group; g++) {
@@ -149,31 +192,16 @@ static void int4_rows32(const uint8_t *blk, int64_t half, const uint16_t *sz, in
         const int64_t g = (b * 32) / group;
         for (int64_t j = 0; j < 32 * half; j += 64)  /* a few KB ahead on the weight stream, as in int8_rows4 */
             _mm_prefetch((const char *)(p + PREFETCH_BYTES + j), _MM_HINT_T0);
-        if (M < 4) {
-            for (int64_t m = 0; m < M; m += 2) {
-                const int16_t *x0 = xq + m * K + b * 32;
-                if (m + 1 < M) {
-                    int4_block_sums(p, half, x0, x0 + K, 2, acc0, acc1);
-                    int4_add_block(acc1, sz, N, g, lo_row, hi_row, dx, sx, sq8, (m + 1) * nb + b, y + (m + 1) * N);
-                } else {
-                    int4_block_sums(p, half, x0, x0, 1, acc0, acc1);
-                }
-                int4_add_block(acc0, sz, N, g, lo_row, hi_row, dx, sx, sq8, m * nb + b, y + m * N);
-            }
+        if (M == 1) {
+            int4_block_sums(p, half, codes, xs + b * 32, acc);
+            int4_add_block(acc, sz, N, g, lo_row, hi_row, dx, sx, sq8, b, y);
             continue;
         }
-        for (int k = 0; k < 16; k++)
-            expand_pair(p + 2 * k * half, half, codes[k]);
+        for (int k = 0; k < 8; k++)
+            int4_codes4(p + 4 * k * half, half, codes[k]);
         for (int64_t m = 0; m < M; m++) {
-            const int16_t *xb = xq + m * K + b * 32;
-            for (int i = 0; i < 4; i++)
-                acc0[i] = _mm256_setzero_si256();
-            for (int k = 0; k < 16; k++) {
-                const __m256i xp = x_pair(xb + 2 * k);
-                for (int i = 0; i < 4; i++)
-                    acc0[i] = _mm256_add_epi32(acc0[i], _mm256_madd_epi16(codes[k][i], xp));
-            }
-            int4_add_block(acc0, sz, N, g, lo_row, hi_row, dx, sx, sq8, m * nb + b, y + m * N);
+            int4_block_sums(NULL, half, codes, xs + m * K + b * 32, acc);
+            int4_add_block(acc, sz, N, g, lo_row, hi_row, dx, sx, sq8, m * nb + b, y + m * N);
         }
     }
 }
@@ -186,7 +214,7 @@ struct qrows {
 };
 
 /* Allocate and fill `q`; 0, or -1 when out of memory. Free with free(q->xq). */
-static int quantize_input(const float *x, int64_t M, int64_t K, struct qrows *q) {
+static int quantize_input(const float *x, int64_t M, int64_t K, int split, struct qrows *q) {
     const size_t n = (size_t)(M * K), nb = (size_t)(M * (K / 32));
     void *mem = NULL;
     if (posix_memalign(&mem, 64, sizeof(int16_t) * n + (2 * sizeof(float) + sizeof(int32_t)) * nb + 64))
@@ -195,7 +223,7 @@ static int quantize_input(const float *x, int64_t M, int64_t K, struct qrows *q)
     q->dx = (float *)(q->xq + n);
     q->sx = q->dx + nb;
     q->sq8 = (int32_t *)(q->sx + nb);
-    quantize_rows(x, M, K, q->xq, q->dx, q->sx, q->sq8);
+    quantize_rows(x, M, K, split, q->xq, q->dx, q->sx, q->sq8);
     return 0;
 }
 
@@ -205,14 +233,17 @@ int tm_int4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *packed, 
                    int64_t B, int64_t group, float *y, int threads) {
     const int64_t half = B / 2, tasks = N / 32;
     struct qrows q;
-    if (quantize_input(x, M, K, &q))
+    if (quantize_input(x, M, K, 1, &q))
         return -1;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t t = 0; t < tasks; t++) {
         const int64_t block = t / (half / 16), c = t % (half / 16);
         const uint8_t *blk = packed + block * B * (K / 2) + 16 * c;
         const int64_t lo_row = block * B + 16 * c, hi_row = lo_row + half;
-        int4_rows32(blk, half, sz, N, K, group, M, q.xq, q.dx, q.sx, q.sq8, y, lo_row, hi_row);
+        if (half == 16)  /* the AVX2 packing, two columns per load: a constant stride for the compiler */
+            int4_rows32(blk, 16, sz, N, K, group, M, q.xq, q.dx, q.sx, q.sq8, y, lo_row, hi_row);
+        else
+            int4_rows32(blk, half, sz, N, K, group, M, q.xq, q.dx, q.sx, q.sq8, y, lo_row, hi_row);
     }
     free(q.xq);
     return 0;
@@ -264,7 +295,7 @@ int tm_int8_matmul(const float *x, int64_t M, int64_t K, const int8_t *w, const 
                    float *y, int threads) {
     const int64_t nb = K / 32, tasks = (N + 3) / 4;
     struct qrows q;
-    if (quantize_input(x, M, K, &q))
+    if (quantize_input(x, M, K, 0, &q))
         return -1;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t t = 0; t < tasks; t++) {
@@ -467,25 +498,37 @@ void tm_silu_mul(const float *gu, int64_t R, int64_t F, float *y) {
     }
 }
 
+/* Pointers of one layer as decode_layers reads them (an int64 row each, so Python fills one array):
+ * the two norm weights, then (weight, scales) of qkv, o, gate/up and down (int4: PyTorch's packing and
+ * its (groups, N, 2) scales and zeros; int8: the (N, K) codes and (N,) scales), then the layer's key
+ * and value pools. */
+enum { P_LN1, P_LN2, P_QKV, P_QKV_SZ, P_O, P_O_SZ, P_GU, P_GU_SZ, P_DN, P_DN_SZ, P_K, P_V, P_COUNT };
+
+/* One of a layer's linears: int4 with this group size, or int8 where group is 0. */
+static int linear(const float *x, int64_t M, int64_t K, const int64_t *p, int w, int64_t group, int64_t N,
+                  int64_t B, float *y, int threads) {
+    const void *weight = (const void *)(intptr_t)p[w], *scales = (const void *)(intptr_t)p[w + 1];
+    return group ? tm_int4_matmul(x, M, K, weight, scales, N, B, group, y, threads)
+                 : tm_int8_matmul(x, M, K, weight, scales, N, y, threads);
+}
+
 /* One all-decode step of a plain pre-norm block (Llama family: RMSNorm, fused qkv, rotate-half RoPE,
- * GQA attention over the paged pool, o, SwiGLU with fused gate/up; int4 linears without bias) for N
- * tokens, one per sequence: x (N, d) += attention, then += MLP, in place. Each piece is the kernel the
- * layer's modules call one by one (model/transformer.py), so the output equals theirs. The new keys and
- * values go to their `slots` in the pools before attention reads them. `mem` holds the step's
- * intermediates (decode_layers sizes it). Returns 0, or -1 when out of memory. */
-static int decode_layer(float *x, int64_t N, int64_t d, const float *ln1, const float *ln2, float eps,
-                        const uint8_t *qkv_w, const uint16_t *qkv_sz, int64_t qkv_group,
-                        const uint8_t *o_w, const uint16_t *o_sz, int64_t o_group,
-                        const uint8_t *gu_w, const uint16_t *gu_sz, int64_t gu_group,
-                        const uint8_t *dn_w, const uint16_t *dn_sz, int64_t dn_group, int64_t B, int64_t F,
-                        const float *cos, const float *ssin, float *kpool, float *vpool, const int64_t *slots,
-                        const int64_t *tables, int64_t tstride, const int64_t *lens, int64_t first_key, int64_t window,
-                        int64_t H, int64_t Hkv, int64_t D, int64_t bs, float scale, int threads, float *mem) {
+ * GQA attention over the paged pool, o, SwiGLU with fused gate/up; int4 or int8 linears without bias)
+ * for N tokens, one per sequence: x (N, d) += attention, then += MLP, in place. Each piece is the
+ * kernel the layer's modules call one by one (model/transformer.py), so the output equals theirs. The
+ * new keys and values go to their `slots` in the pools before attention reads them. `p`: the layer's
+ * pointers (P_*), `g`: its linears' group sizes; `mem` holds the intermediates (decode_layers sizes
+ * it). Returns 0, or -1 when out of memory. */
+static int decode_layer(float *x, int64_t N, int64_t d, const int64_t *p, const int64_t *g, float eps, int64_t B,
+                        int64_t F, const float *cos, const float *ssin, const int64_t *slots, const int64_t *tables,
+                        int64_t tstride, const int64_t *lens, int64_t first_key, int64_t window, int64_t H,
+                        int64_t Hkv, int64_t D, int64_t bs, float scale, int threads, float *mem) {
     const int64_t row = (H + 2 * Hkv) * D;
     float *h = mem, *qkv = h + N * d, *att = qkv + N * row, *o = att + N * H * D, *gu = o + N * d, *act = gu + N * 2 * F;
+    float *kpool = (float *)(intptr_t)p[P_K], *vpool = (float *)(intptr_t)p[P_V];
     int status = 0;
-    tm_rms_norm(x, ln1, eps, N, d, h);
-    status |= tm_int4_matmul(h, N, d, qkv_w, qkv_sz, row, B, qkv_group, qkv, threads);
+    tm_rms_norm(x, (const float *)(intptr_t)p[P_LN1], eps, N, d, h);
+    status |= linear(h, N, d, p, P_QKV, g[0], row, B, qkv, threads);
     tm_rotary(qkv, row, cos, ssin, N, H + Hkv, D, qkv, row);  /* q and k heads, in place */
     for (int64_t n = 0; n < N; n++) {
         const float *k = qkv + n * row + H * D, *v = k + Hkv * D;
@@ -497,26 +540,22 @@ static int decode_layer(float *x, int64_t N, int64_t d, const float *ln1, const 
     }
     status |= tm_decode_attention(qkv, row, kpool, vpool, tables, tstride, lens, first_key, window, N, H, Hkv, D, D,
                                   bs, scale, att, threads);
-    status |= tm_int4_matmul(att, N, H * D, o_w, o_sz, d, B, o_group, o, threads);
+    status |= linear(att, N, H * D, p, P_O, g[1], d, B, o, threads);
     for (int64_t j = 0; j < N * d; j++)
         x[j] += o[j];
-    tm_rms_norm(x, ln2, eps, N, d, h);
-    status |= tm_int4_matmul(h, N, d, gu_w, gu_sz, 2 * F, B, gu_group, gu, threads);
+    tm_rms_norm(x, (const float *)(intptr_t)p[P_LN2], eps, N, d, h);
+    status |= linear(h, N, d, p, P_GU, g[2], 2 * F, B, gu, threads);
     tm_silu_mul(gu, N, F, act);
-    status |= tm_int4_matmul(act, N, F, dn_w, dn_sz, d, B, dn_group, o, threads);
+    status |= linear(act, N, F, p, P_DN, g[3], d, B, o, threads);
     for (int64_t j = 0; j < N * d; j++)
         x[j] += o[j];
     return status ? -1 : 0;
 }
 
-/* Pointers of one layer as decode_layers reads them (an int64 row each, so Python fills one array):
- * the two norm weights, then (packed weight, scales and zeros) of qkv, o, gate/up and down, then the
- * layer's key and value pools. */
-enum { P_LN1, P_LN2, P_QKV, P_QKV_SZ, P_O, P_O_SZ, P_GU, P_GU_SZ, P_DN, P_DN_SZ, P_K, P_V, P_COUNT };
-
 /* An all-decode step of L such blocks in one call (the arguments of decode_layer, per layer in `ptrs`
- * (L, P_COUNT) and `groups` (L, 4): the group sizes of qkv, o, gate/up and down). One call per step
- * instead of one per layer removes the Python between layers, a sixth of a 135M model's batch-1 step. */
+ * (L, P_COUNT) and `groups` (L, 4): the group sizes of qkv, o, gate/up and down, 0 for int8). One call
+ * per step instead of one per layer removes the Python between layers, a sixth of a 135M model's
+ * batch-1 step. */
 int tm_decode_layers(float *x, int64_t N, int64_t d, int64_t L, const int64_t *ptrs, const int64_t *groups,
                      float eps, int64_t B, int64_t F, const float *cos, const float *ssin, const int64_t *slots,
                      const int64_t *tables, int64_t tstride, const int64_t *lens, int64_t first_key, int64_t window,
@@ -526,18 +565,9 @@ int tm_decode_layers(float *x, int64_t N, int64_t d, int64_t L, const int64_t *p
     if (!mem)
         return -1;
     int status = 0;
-    for (int64_t l = 0; l < L && !status; l++) {
-        const int64_t *p = ptrs + l * P_COUNT, *g = groups + 4 * l;
-#define PTR(type, i) ((type *)(intptr_t)p[i])
-        status = decode_layer(x, N, d, PTR(const float, P_LN1), PTR(const float, P_LN2), eps,
-                              PTR(const uint8_t, P_QKV), PTR(const uint16_t, P_QKV_SZ), g[0],
-                              PTR(const uint8_t, P_O), PTR(const uint16_t, P_O_SZ), g[1],
-                              PTR(const uint8_t, P_GU), PTR(const uint16_t, P_GU_SZ), g[2],
-                              PTR(const uint8_t, P_DN), PTR(const uint16_t, P_DN_SZ), g[3], B, F, cos, ssin,
-                              PTR(float, P_K), PTR(float, P_V), slots, tables, tstride, lens, first_key, window,
-                              H, Hkv, D, bs, scale, threads, mem);
-#undef PTR
-    }
+    for (int64_t l = 0; l < L && !status; l++)
+        status = decode_layer(x, N, d, ptrs + l * P_COUNT, groups + 4 * l, eps, B, F, cos, ssin, slots, tables,
+                              tstride, lens, first_key, window, H, Hkv, D, bs, scale, threads, mem);
     free(mem);
     return status;
 }

@@ -392,7 +392,7 @@ class Block(nn.Module):
     def _native_linears(self) -> list | None:
         """qkv, o, gate/up and down if this block can run in a native all-decode step
         (`Transformer._decode_natively`): a plain Llama-family block (no biases, q/k norms, clipping or soft-capping;
-        SwiGLU) whose linears are int4 on the native kernel. Decided once, and again if a linear is replaced."""
+        SwiGLU) whose linears are int4 or int8 on the native kernels. Decided once, and again if a linear is replaced."""
         found = self.__dict__.get("_native_layer", False)
         if found is False or (found and not self._still_holds(found)):  # e.g. LoRA wrapped a linear since
             found = self.__dict__["_native_layer"] = self._find_native_linears()
@@ -404,7 +404,7 @@ class Block(nn.Module):
                 and linears[2] is getattr(mlp, "gate_up_proj", None) and linears[3] is getattr(mlp, "down_proj", None))
 
     def _find_native_linears(self) -> list | None:
-        from .quant import Int4Linear
+        from .quant import Int4Linear, Int8Linear
 
         attn, mlp, norms = self.self_attn, self.mlp, (self.input_layernorm, self.post_attention_layernorm)
         if not (type(self) is Block and type(attn) is Attention and type(mlp) is MLP and mlp.act is F.silu):
@@ -414,8 +414,9 @@ class Block(nn.Module):
                  and not any(n.unit_offset for n in norms) and norms[0].eps == norms[1].eps
                  and attn.head_dim % 16 == 0 and attn.n_heads % attn.n_kv == 0
                  and attn.n_heads // attn.n_kv <= native.MAX_QUERY_GROUP and mlp.down_proj.in_features % 8 == 0)
-        if not plain or not all(type(lin) is Int4Linear and lin.bias is None and lin.padded_in == lin.in_features
-                                and lin.compute_dtype == torch.bfloat16 and lin._native_ready() for lin in linears):
+        if not plain or not all(type(lin) in (Int4Linear, Int8Linear) and lin.bias is None
+                                and lin.padded_in == lin.in_features and lin.compute_dtype == torch.bfloat16
+                                and lin._native_ready() for lin in linears):
             return None
         return linears
 
