@@ -345,3 +345,21 @@ def test_the_native_checks_leave_a_compiled_forward_in_one_graph(monkeypatch, fr
     model = Transformer(cfg)
     explained = torch._dynamo.explain(model.hidden_states)(torch.randint(0, 64, (2, 8)))
     assert explained.graph_break_count == 0, explained.break_reasons
+
+
+@needs_native
+@pytest.mark.parametrize("block_rows", [32, 64])
+def test_native_dequantize_equals_the_float64_reference_bit_for_bit(block_rows, monkeypatch):
+    """The prefill path's dequantized weight: native (one fused multiply-add) and PyTorch in float64 agree exactly."""
+    torch.manual_seed(4)
+    codes = torch.randint(0, 16, (128, 192), dtype=torch.uint8)
+    scales, zeros = torch.rand(128, 3) / 10 + 0.01, torch.randn(128, 3) / 10
+    lin = Int4Linear.from_codes(codes, scales.bfloat16(), zeros.bfloat16(), 64)
+    packed = _pack_int4(codes, block_rows)
+    fast = native.int4_dequantize(packed, lin.scales_and_zeros, block_rows, 64)
+    s64, z64 = (t.bfloat16().double().repeat_interleave(64, 1) for t in (scales, zeros))
+    assert torch.equal(fast, ((codes.double() - 8) * s64 + z64).float())
+    monkeypatch.setattr(lin, "_native_ready", lambda: False)  # the module's own PyTorch path, for this machine's packing
+    slow = lin.dequantize()
+    monkeypatch.undo()
+    assert torch.equal(slow, native.int4_dequantize(lin.weight, lin.scales_and_zeros, int4_block_rows(), 64))

@@ -94,6 +94,8 @@ def library() -> ctypes.CDLL | None:
     lib.tm_int4_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
     lib.tm_int8_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
     lib.tm_int4_matmul.restype = lib.tm_int8_matmul.restype = ctypes.c_int
+    lib.tm_int4_dequantize.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, ctypes.c_int]
+    lib.tm_int4_dequantize.restype = None
     lib.tm_rms_norm.argtypes = [ptr, ptr, ctypes.c_float, i64, i64, ptr]
     lib.tm_decode_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, i64, i64,
                                         ctypes.c_float, ptr, ctypes.c_int]
@@ -151,6 +153,16 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.T
     _checked(library().tm_int4_matmul(x.data_ptr(), m, k, packed.data_ptr(), scales_and_zeros.data_ptr(), n,
                                       block_rows, group_size, y.data_ptr(), _threads(n * k)))
     return y
+
+
+def int4_dequantize(packed: torch.Tensor, scales_and_zeros: torch.Tensor, block_rows: int, group_size: int) -> torch.Tensor:
+    """The int4pack weight (N, K/2) with bf16 (K/group, N, 2) scales and zeros as an (N, K) float32 matrix,
+    (q − 8)·s + z rounded once (what `Int4Linear.dequantize` computes in float64). Layout as `int4_matmul`."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    w = torch.empty(n, k, dtype=torch.float32)
+    library().tm_int4_dequantize(packed.data_ptr(), scales_and_zeros.data_ptr(), n, k, block_rows, group_size,
+                                 w.data_ptr(), _threads(n * k))
+    return w
 
 
 def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
