@@ -80,10 +80,13 @@ class QuantizedLinear(nn.Module):
     the kernel needs in_features rounded up (`padded_in`); the padded weight columns never matter.
     """
 
-    # Rows up to which the fused kernel beats dequantize + bf16 F.linear: the kernel's time grows
-    # linearly with rows, the other's barely. Measured on SmolLM2's weights (bench_quant.py
-    # --crossover): int8 crosses over between 32 and 64 rows, int4 between 128 and 256.
-    kernel_max_rows = 32
+    # Rows up to which the fused kernel beats dequantize + F.linear: the kernel's time grows linearly
+    # with rows, the other's barely. Measured on SmolLM2's weights (bench_quant.py --crossover): with
+    # PyTorch's kernels int8 crosses over between 32 and 64 rows, int4 between 128 and 256; with the
+    # native ones (AVX2 EPYC) int8 above 256 (SmolLM2's int8 LM head at 64 rows: 50 ms against 173) and
+    # int4 between 128 and 256. Setting `kernel_max_rows` on a layer overrides both.
+    torch_kernel_max_rows = 32
+    native_kernel_max_rows = 256
     _scales_name = ""  # the buffer of scales, whose dtype is the compute dtype (set by each subclass)
 
     def __init__(self, in_features: int, out_features: int, padded_in: int, bias: torch.Tensor | None):
@@ -96,6 +99,19 @@ class QuantizedLinear(nn.Module):
     def compute_dtype(self) -> torch.dtype:
         """The kernel's activation dtype: that of the stored scales (so `.to(dtype)` moves both together)."""
         return self._buffers[self._scales_name].dtype
+
+    @property
+    def kernel_max_rows(self) -> int:
+        """Rows up to which calls take the fused kernel (more: dequantize + F.linear)."""
+        rows = self.__dict__.get("_kernel_max_rows")
+        if rows is None:
+            native_kernel = self.compute_dtype == torch.bfloat16 and self._native_ready()
+            rows = self.native_kernel_max_rows if native_kernel else self.torch_kernel_max_rows
+        return rows
+
+    @kernel_max_rows.setter
+    def kernel_max_rows(self, rows: int) -> None:
+        self.__dict__["_kernel_max_rows"] = rows
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -216,7 +232,7 @@ class Int4Linear(QuantizedLinear):
     meaning w = (q − 8) · s + z for the codes q in [0, 15] of that group.
     """
 
-    kernel_max_rows = 128
+    torch_kernel_max_rows = native_kernel_max_rows = 128
 
     def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, in_features: int,
                  bias: torch.Tensor | None = None):
