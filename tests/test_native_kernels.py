@@ -221,6 +221,8 @@ def test_engine_decode_on_native_attention_equals_the_gathered_path(monkeypatch,
     cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=6, num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
     model = Transformer(cfg).eval()
+    for block in model.layers:  # module by module: a float model's all-decode steps otherwise take one native call
+        block.__dict__["_native_layer"] = None
     calls = []
     real = native.decode_attention
     monkeypatch.setattr(native, "decode_attention", lambda *a: calls.append(1) or real(*a))
@@ -285,11 +287,12 @@ def test_the_native_decode_ops_leave_training_to_pytorch(monkeypatch, fresh_nati
 
 
 @needs_native
-@pytest.mark.parametrize("scheme", ["int4", "int8", "mixed"])
+@pytest.mark.parametrize("scheme", ["int4", "int8", "mixed", "float32"])
 def test_a_decode_step_in_one_call_gives_the_modules_result_bit_for_bit(scheme, monkeypatch, fresh_native):
-    """An int4, int8 or mixed (as GGUF files mix 4- and 8-bit tensors) Llama-family model decoding ragged prompts in a batch (prefill and mixed steps through the
-    modules, all-decode steps through one `native.decode_layers` call for all layers) gives exactly the
-    tokens and logprobs of the same steps run module by module on the same native kernels."""
+    """An int4, int8, mixed (as GGUF files mix 4- and 8-bit tensors) or float32 Llama-family model decoding
+    ragged prompts in a batch (prefill and mixed steps through the modules, all-decode steps through one
+    `native.decode_layers` call for all layers) gives exactly the tokens and logprobs of the same steps run
+    module by module on the same native kernels (float32: MKL's for the linears, so within rounding)."""
     from tokenmind.model.config import ModelConfig
     from tokenmind.model.quant import quantize_model
     from tokenmind.model.transformer import Block, Transformer
@@ -298,7 +301,9 @@ def test_a_decode_step_in_one_call_gives_the_modules_result_bit_for_bit(scheme, 
     torch.manual_seed(11)
     cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    model = quantize_model(Transformer(cfg).eval(), "int8" if scheme == "int8" else "int4", quantize_lm_head=False)
+    model = Transformer(cfg).eval()
+    if scheme != "float32":
+        model = quantize_model(model, "int8" if scheme == "int8" else "int4", quantize_lm_head=False)
     if scheme == "mixed":
         for block in model.layers:
             block.mlp.down_proj = Int8Linear.from_float(block.mlp.down_proj.dequantize())
@@ -312,7 +317,13 @@ def test_a_decode_step_in_one_call_gives_the_modules_result_bit_for_bit(scheme, 
             assert block._native_linears() is not None
     model.layers[1].__dict__["_native_layer"] = None  # one block that cannot: the step runs module by module
     calls.clear()
-    assert _greedy(model, 10) == fused and not calls
+    modules = _greedy(model, 10)
+    assert not calls
+    if scheme == "float32":  # the modules' linears are MKL's sgemm, the step's f32_matmul: rounding apart
+        for (tokens_a, lp_a), (tokens_b, lp_b) in zip(modules, fused):
+            assert tokens_a == tokens_b and lp_a == pytest.approx(lp_b, abs=1e-5)
+    else:
+        assert modules == fused
 
 
 @needs_native
@@ -328,7 +339,9 @@ def test_a_linear_replaced_after_decoding_is_seen(monkeypatch, fresh_native):
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     block = quantize_model(Transformer(cfg).eval(), "int4").layers[0]
     assert block._native_linears() is not None
-    block.self_attn.o_proj = torch.nn.Linear(64, 64, bias=False)
+    block.self_attn.o_proj = plain = torch.nn.Linear(64, 64, bias=False)  # a float32 linear: still native
+    assert block._native_linears()[1] is plain
+    block.self_attn.o_proj = torch.nn.Linear(64, 64, bias=True)  # a bias the kernel does not add
     assert block._native_linears() is None
 
 
@@ -383,3 +396,33 @@ def test_the_native_int8_kernel_takes_up_to_256_rows_and_an_override_wins(monkey
         assert calls == [64]  # more rows: the dequantized path
         lin.kernel_max_rows = 0
         assert torch.allclose(lin(x), y, rtol=1e-3, atol=1e-3) and calls == [64]
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_f32_matmul_matches_a_float64_product(rows):
+    torch.manual_seed(6)
+    w = torch.randn(1003, 200)  # a partial group of four rows; K a multiple of 8, not of 32
+    x = torch.randn(rows, 200)
+    assert _rel_err(native.f32_matmul(x, w), _reference(x, w)) < 1e-6
+
+
+@needs_native
+def test_a_float_models_output_layer_takes_f32_matmul_for_few_rows_only(monkeypatch, fresh_native):
+    from tokenmind.model.config import ModelConfig
+    from tokenmind.model.transformer import Transformer
+
+    monkeypatch.setenv("TOKENMIND_NATIVE", "1")
+    cfg = ModelConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    model = Transformer(cfg).eval()
+    calls = []
+    real = native.f32_matmul
+    monkeypatch.setattr(native, "f32_matmul", lambda x, w: calls.append(x.shape[0]) or real(x, w))
+    few, many = torch.randn(5, 64), torch.randn(native.F32_MAX_ROWS + 1, 64)
+    with torch.inference_mode():
+        assert torch.allclose(model.logits(few), model.lm_head(few), rtol=1e-5, atol=1e-5)
+        model.logits(many)
+    assert calls == [5]
+    model.logits(few).sum().backward()  # training: autograd's own matmul, with a gradient for the head
+    assert calls == [5] and model.lm_head.weight.grad is not None

@@ -394,6 +394,49 @@ static inline __m256 hsum8(const __m256 a[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
+/* y (M, N) = x (M, K) @ W.T for a float32 (N, K) W, K % 8 == 0: the few-row matmul of a float model's
+ * decode step. MKL's sgemm reads SmolLM2's weights at 3-7 GB/s at 1-32 rows on a 2-core AVX2 VM; here
+ * each task holds 4 weight rows in L1 while every activation row passes, two at a time (8 running
+ * sums in registers), with the weight stream prefetched. Sums run in a fixed order per output. */
+int tm_f32_matmul(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *y, int threads) {
+    const int64_t tasks = (N + 3) / 4;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t t = 0; t < tasks; t++) {
+        const int64_t n = 4 * t, rows = N - n < 4 ? N - n : 4;
+        const float *w0 = w + n * K, *w1 = w + (n + (rows > 1)) * K, *w2 = w + (n + (rows > 2 ? 2 : 0)) * K,
+                    *w3 = w + (n + (rows > 3 ? 3 : 0)) * K;
+        for (int64_t m = 0; m < M; m += 2) {
+            const float *x0 = x + m * K, *x1 = x + (m + 1 < M ? m + 1 : m) * K;
+            __m256 a[8];
+            for (int i = 0; i < 8; i++)
+                a[i] = _mm256_setzero_ps();
+            for (int64_t k = 0; k < K; k += 8) {
+                if (m == 0)  /* the rows of a later task, PREFETCH_BYTES ahead on the weight stream */
+                    _mm_prefetch((const char *)(w0 + 4 * K + k) + PREFETCH_BYTES, _MM_HINT_T0);
+                const __m256 u = _mm256_loadu_ps(x0 + k), v = _mm256_loadu_ps(x1 + k);
+                const __m256 b0 = _mm256_loadu_ps(w0 + k), b1 = _mm256_loadu_ps(w1 + k);
+                const __m256 b2 = _mm256_loadu_ps(w2 + k), b3 = _mm256_loadu_ps(w3 + k);
+                a[0] = _mm256_fmadd_ps(u, b0, a[0]);
+                a[1] = _mm256_fmadd_ps(u, b1, a[1]);
+                a[2] = _mm256_fmadd_ps(u, b2, a[2]);
+                a[3] = _mm256_fmadd_ps(u, b3, a[3]);
+                a[4] = _mm256_fmadd_ps(v, b0, a[4]);
+                a[5] = _mm256_fmadd_ps(v, b1, a[5]);
+                a[6] = _mm256_fmadd_ps(v, b2, a[6]);
+                a[7] = _mm256_fmadd_ps(v, b3, a[7]);
+            }
+            float sums[8];
+            _mm256_storeu_ps(sums, hsum8(a));
+            for (int64_t r = 0; r < rows; r++) {
+                y[m * N + n + r] = sums[r];
+                if (m + 1 < M)
+                    y[(m + 1) * N + n + r] = sums[4 + r];
+            }
+        }
+    }
+    return 0;
+}
+
 /* One query token per sequence over its keys in the paged pool, read in place (no gather):
  * q (N, H, D), rows `qstride` floats apart; pools (blocks, bs, Hkv, D) and (blocks, bs, Hkv, Dv); tables (N, >= blocks used) with row
  * stride `tstride`; sequence n sees keys [max(first_key, lens[n] - window), lens[n]) (window <= 0: all).
@@ -537,20 +580,22 @@ void tm_silu_mul(const float *gu, int64_t R, int64_t F, float *y) {
 
 /* Pointers of one layer as decode_layers reads them (an int64 row each, so Python fills one array):
  * the two norm weights, then (weight, scales) of qkv, o, gate/up and down (int4: PyTorch's packing and
- * its (groups, N, 2) scales and zeros; int8: the (N, K) codes and (N,) scales), then the layer's key
- * and value pools. */
+ * its (groups, N, 2) scales and zeros; int8: the (N, K) codes and (N,) scales; float32: the (N, K)
+ * weight and no scales), then the layer's key and value pools. */
 enum { P_LN1, P_LN2, P_QKV, P_QKV_SZ, P_O, P_O_SZ, P_GU, P_GU_SZ, P_DN, P_DN_SZ, P_K, P_V, P_COUNT };
 
-/* One of a layer's linears: int4 with this group size, or int8 where group is 0. */
+/* One of a layer's linears: int4 with this group size, int8 where group is 0, float32 where it is -1. */
 static int linear(const float *x, int64_t M, int64_t K, const int64_t *p, int w, int64_t group, int64_t N,
                   int64_t B, float *y, int threads) {
     const void *weight = (const void *)(intptr_t)p[w], *scales = (const void *)(intptr_t)p[w + 1];
+    if (group < 0)
+        return tm_f32_matmul(x, M, K, weight, N, y, threads);
     return group ? tm_int4_matmul(x, M, K, weight, scales, N, B, group, y, threads)
                  : tm_int8_matmul(x, M, K, weight, scales, N, y, threads);
 }
 
 /* One all-decode step of a plain pre-norm block (Llama family: RMSNorm, fused qkv, rotate-half RoPE,
- * GQA attention over the paged pool, o, SwiGLU with fused gate/up; int4 or int8 linears without bias)
+ * GQA attention over the paged pool, o, SwiGLU with fused gate/up; int4, int8 or float32 linears, no bias)
  * for N tokens, one per sequence: x (N, d) += attention, then += MLP, in place. Each piece is the
  * kernel the layer's modules call one by one (model/transformer.py), so the output equals theirs. The
  * new keys and values go to their `slots` in the pools before attention reads them. `p`: the layer's
@@ -590,7 +635,8 @@ static int decode_layer(float *x, int64_t N, int64_t d, const int64_t *p, const 
 }
 
 /* An all-decode step of L such blocks in one call (the arguments of decode_layer, per layer in `ptrs`
- * (L, P_COUNT) and `groups` (L, 4): the group sizes of qkv, o, gate/up and down, 0 for int8). One call
+ * (L, P_COUNT) and `groups` (L, 4): the group sizes of qkv, o, gate/up and down, 0 for int8, -1 for
+ * float32). One call
  * per step instead of one per layer removes the Python between layers, a sixth of a 135M model's
  * batch-1 step. */
 int tm_decode_layers(float *x, int64_t N, int64_t d, int64_t L, const int64_t *ptrs, const int64_t *groups,

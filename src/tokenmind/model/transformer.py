@@ -392,7 +392,7 @@ class Block(nn.Module):
     def _native_linears(self) -> list | None:
         """qkv, o, gate/up and down if this block can run in a native all-decode step
         (`Transformer._decode_natively`): a plain Llama-family block (no biases, q/k norms, clipping or soft-capping;
-        SwiGLU) whose linears are int4 or int8 on the native kernels. Decided once, and again if a linear is replaced."""
+        SwiGLU) whose linears are int4 or int8 on the native kernels, or float32 `nn.Linear`s. Decided once, and again if a linear is replaced."""
         found = self.__dict__.get("_native_layer", False)
         if found is False or (found and not self._still_holds(found)):  # e.g. LoRA wrapped a linear since
             found = self.__dict__["_native_layer"] = self._find_native_linears()
@@ -402,7 +402,8 @@ class Block(nn.Module):
         # Runs for every layer of every decode step: the module dicts directly (nn.Module.__getattr__ costs ~0.5 µs).
         attn, mlp = self._modules["self_attn"]._modules, self._modules["mlp"]._modules
         return (linears[0] is attn.get("qkv_proj") and linears[1] is attn.get("o_proj")
-                and linears[2] is mlp.get("gate_up_proj") and linears[3] is mlp.get("down_proj"))
+                and linears[2] is mlp.get("gate_up_proj") and linears[3] is mlp.get("down_proj")
+                and all(type(lin) is not nn.Linear or _native_float_weight(lin) for lin in linears))
 
     def _find_native_linears(self) -> list | None:
         from .quant import Int4Linear, Int8Linear
@@ -415,11 +416,19 @@ class Block(nn.Module):
                  and not any(n.unit_offset for n in norms) and norms[0].eps == norms[1].eps
                  and attn.head_dim % 16 == 0 and attn.n_heads % attn.n_kv == 0
                  and attn.n_heads // attn.n_kv <= native.MAX_QUERY_GROUP and mlp.down_proj.in_features % 8 == 0)
-        if not plain or not all(type(lin) in (Int4Linear, Int8Linear) and lin.bias is None
-                                and lin.padded_in == lin.in_features and lin.compute_dtype == torch.bfloat16
-                                and lin._native_ready() for lin in linears):
+        quantized_ok = [type(lin) in (Int4Linear, Int8Linear) and lin.bias is None and lin.padded_in == lin.in_features
+                        and lin.compute_dtype == torch.bfloat16 and lin._native_ready() for lin in linears]
+        float_ok = [type(lin) is nn.Linear and lin.bias is None and _native_float_weight(lin) for lin in linears]
+        if not plain or not all(q or f for q, f in zip(quantized_ok, float_ok)):
             return None
         return linears
+
+
+def _native_float_weight(linear: nn.Linear) -> bool:
+    """Whether `native.f32_matmul` can read this plain linear's weight: float32, contiguous, on the CPU, K % 8 == 0."""
+    w = linear._parameters["weight"]
+    return (native.preferred() and w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous()
+            and w.shape[1] % 8 == 0)
 
 
 class SandwichBlock(Block):
@@ -587,7 +596,12 @@ class Transformer(nn.Module):
         return self.cfg.to_hf()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
+        head = self.lm_head
+        if (type(head) is nn.Linear and head.bias is None and hidden.numel() <= native.F32_MAX_ROWS * hidden.shape[-1]
+                and native.takes(hidden, head.weight) and _native_float_weight(head)):
+            logits = native.f32_matmul(hidden, head.weight)  # a decode step's few rows: ~2x MKL's sgemm on AVX2
+        else:
+            logits = head(hidden)
         cap = self.cfg.final_logit_softcapping
         return logits if cap is None else cap * torch.tanh(logits / cap)
 
