@@ -408,7 +408,7 @@ def test_f32_matmul_matches_a_float64_product(rows):
 
 
 @needs_native
-def test_a_float_models_output_layer_takes_f32_matmul_for_few_rows_only(monkeypatch, fresh_native):
+def test_a_float_models_output_layer_takes_f32_matmul_for_the_engines_few_rows_only(monkeypatch, fresh_native):
     from tokenmind.model.config import ModelConfig
     from tokenmind.model.transformer import Transformer
 
@@ -421,8 +421,9 @@ def test_a_float_models_output_layer_takes_f32_matmul_for_few_rows_only(monkeypa
     monkeypatch.setattr(native, "f32_matmul", lambda x, w: calls.append(x.shape[0]) or real(x, w))
     few, many = torch.randn(5, 64), torch.randn(native.F32_MAX_ROWS + 1, 64)
     with torch.inference_mode():
-        assert torch.allclose(model.logits(few), model.lm_head(few), rtol=1e-5, atol=1e-5)
-        model.logits(many)
+        assert torch.allclose(model.decode_logits(few), model.lm_head(few), rtol=1e-5, atol=1e-5)
+        model.decode_logits(many)
+        model.logits(few)  # evaluations: the same kernel for any number of rows
     assert calls == [5]
-    model.logits(few).sum().backward()  # training: autograd's own matmul, with a gradient for the head
+    model.decode_logits(few).sum().backward()  # training: autograd's own matmul, with a gradient for the head
     assert calls == [5] and model.lm_head.weight.grad is not None

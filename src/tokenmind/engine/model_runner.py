@@ -101,7 +101,7 @@ class ModelRunner:
         wants every row (all decode) takes them as a view, and float32 logits are not cast again."""
         if not rows:
             return hidden.new_empty(0, 0)
-        logits = self.model.logits(hidden[0] if len(rows) == hidden.shape[1] else hidden[0, rows])
+        logits = self.model.decode_logits(hidden[0] if len(rows) == hidden.shape[1] else hidden[0, rows])
         return logits if logits.dtype == torch.float32 else logits.float()
 
     def _hidden_states(self, chunks: list[Chunk], input_ids: torch.Tensor, positions: torch.Tensor,

@@ -596,12 +596,19 @@ class Transformer(nn.Module):
         return self.cfg.to_hf()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._capped(self.lm_head(hidden))
+
+    def decode_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`logits` for the engine's few rows of a step: a float32 output layer runs `native.f32_matmul`
+        there (~2x MKL's sgemm on AVX2). Only the engine takes it: evaluations keep `logits`, whose result
+        for a row does not depend on how many rows are scored with it. A subclass's own `logits` always runs."""
         head = self.lm_head
-        if (type(head) is nn.Linear and head.bias is None and hidden.numel() <= native.F32_MAX_ROWS * hidden.shape[-1]
+        if (type(self).logits is Transformer.logits and type(head) is nn.Linear and head.bias is None and hidden.numel() <= native.F32_MAX_ROWS * hidden.shape[-1]
                 and native.takes(hidden, head.weight) and _native_float_weight(head)):
-            logits = native.f32_matmul(hidden, head.weight)  # a decode step's few rows: ~2x MKL's sgemm on AVX2
-        else:
-            logits = head(hidden)
+            return self._capped(native.f32_matmul(hidden, head.weight))
+        return self.logits(hidden)
+
+    def _capped(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.cfg.final_logit_softcapping
         return logits if cap is None else cap * torch.tanh(logits / cap)
 
