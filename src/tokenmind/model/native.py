@@ -157,7 +157,8 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.T
     return y
 
 
-def int4_dequantize(packed: torch.Tensor, scales_and_zeros: torch.Tensor, block_rows: int, group_size: int) -> torch.Tensor:
+def int4_dequantize(packed: torch.Tensor, scales_and_zeros: torch.Tensor, block_rows: int,
+                    group_size: int) -> torch.Tensor:
     """The int4pack weight (N, K/2) with bf16 (K/group, N, 2) scales and zeros as an (N, K) float32 matrix,
     (q − 8)·s + z rounded once (what `Int4Linear.dequantize` computes in float64). Layout as `int4_matmul`."""
     n, k = packed.shape[0], packed.shape[1] * 2
@@ -237,10 +238,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def _address(values: array.array) -> int:
-    return values.buffer_info()[0]
-
-
 def decode_layers(x: torch.Tensor, layers: list, eps: float, block_rows: int, cos: torch.Tensor,
                   signed_sin: torch.Tensor, k_pools: torch.Tensor, v_pools: torch.Tensor, slots: torch.Tensor,
                   block_tables: torch.Tensor, lens: torch.Tensor, first_key: int, window: int | None,
@@ -248,8 +245,7 @@ def decode_layers(x: torch.Tensor, layers: list, eps: float, block_rows: int, co
     """One all-decode step of a stack of plain pre-norm blocks in one call (`tm_decode_layers`), x (1, N, d)
     updated in place. layers: per block ((input norm weight, post-attention norm weight), [the linears qkv,
     o, gate_up, down: each an Int4Linear (PyTorch's packing, bf16 scales and zeros), an Int8Linear or a
-    float32 nn.Linear], its
-    index in the pools); k_pools / v_pools: every layer's (layers, blocks, block_size, H_kv, D) float32,
+    float32 nn.Linear], its index in the pools); k_pools / v_pools: every layer's (layers, blocks, block_size, H_kv, D) float32,
     contiguous; heads: (H, H_kv, head_dim); the rest as in `decode_attention` and `rotary`."""
     n, d = x.shape[1], x.shape[2]
     k_base, v_base = k_pools.data_ptr(), v_pools.data_ptr()
@@ -270,7 +266,7 @@ def decode_layers(x: torch.Tensor, layers: list, eps: float, block_rows: int, co
     h, hkv, hd = heads
     ptrs, groups = array.array("q", ptrs), array.array("q", groups)  # int64 C arrays, ~15x faster to fill than ctypes'
     _checked(library().tm_decode_layers(
-        x.data_ptr(), n, d, len(layers), _address(ptrs), _address(groups),
+        x.data_ptr(), n, d, len(layers), ptrs.buffer_info()[0], groups.buffer_info()[0],
         eps, block_rows, layers[0][1][3].in_features, cos.data_ptr(), signed_sin.data_ptr(), slots.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), lens.data_ptr(), first_key, window or 0, h, hkv, hd,
         k_pools.shape[2], scale, torch.get_num_threads()))

@@ -1,4 +1,5 @@
-/* Weight-only int4 / int8 matmuls for few activation rows (decode), AVX2 + FMA, built by model/native.py.
+/* Decode kernels for AVX2 + FMA CPUs, built by model/native.py: weight-only int4 / int8 (and float32)
+ * matmuls for few activation rows, paged decode attention, the small fused ops, and a whole decode step.
  *
  * PyTorch's CPU int4/int8 kernels run at 2.7-3.5 G weights/s on an AVX2-only CPU, well under what memory
  * bandwidth allows for 4-bit weights. These kernels quantize each activation row to int16 per block of 32
@@ -87,7 +88,8 @@ static inline __attribute__((always_inline)) void int4_codes4(const uint8_t *p, 
     }
     const __m256i mask = _mm256_set1_epi8(0x0F);
     const __m256i alo = _mm256_and_si256(a, mask), clo = _mm256_and_si256(c, mask);
-    const __m256i ahi = _mm256_and_si256(_mm256_srli_epi16(a, 4), mask), chi = _mm256_and_si256(_mm256_srli_epi16(c, 4), mask);
+    const __m256i ahi = _mm256_and_si256(_mm256_srli_epi16(a, 4), mask);
+    const __m256i chi = _mm256_and_si256(_mm256_srli_epi16(c, 4), mask);
     P[0] = _mm256_unpacklo_epi8(alo, clo);
     P[1] = _mm256_unpackhi_epi8(alo, clo);
     P[2] = _mm256_unpacklo_epi8(ahi, chi);
@@ -636,9 +638,8 @@ static int decode_layer(float *x, int64_t N, int64_t d, const int64_t *p, const 
 
 /* An all-decode step of L such blocks in one call (the arguments of decode_layer, per layer in `ptrs`
  * (L, P_COUNT) and `groups` (L, 4): the group sizes of qkv, o, gate/up and down, 0 for int8, -1 for
- * float32). One call
- * per step instead of one per layer removes the Python between layers, a sixth of a 135M model's
- * batch-1 step. */
+ * float32). One call per step instead of one per layer removes the Python between layers, a sixth of a
+ * 135M model's batch-1 step. */
 int tm_decode_layers(float *x, int64_t N, int64_t d, int64_t L, const int64_t *ptrs, const int64_t *groups,
                      float eps, int64_t B, int64_t F, const float *cos, const float *ssin, const int64_t *slots,
                      const int64_t *tables, int64_t tstride, const int64_t *lens, int64_t first_key, int64_t window,

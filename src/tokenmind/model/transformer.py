@@ -391,8 +391,9 @@ class Block(nn.Module):
 
     def _native_linears(self) -> list | None:
         """qkv, o, gate/up and down if this block can run in a native all-decode step
-        (`Transformer._decode_natively`): a plain Llama-family block (no biases, q/k norms, clipping or soft-capping;
-        SwiGLU) whose linears are int4 or int8 on the native kernels, or float32 `nn.Linear`s. Decided once, and again if a linear is replaced."""
+        (`Transformer._decode_natively`): a plain Llama-family block (no biases, q/k norms, clipping or
+        soft-capping; SwiGLU) whose linears are int4 or int8 on the native kernels, or float32 `nn.Linear`s.
+        Decided once, and again if a linear is replaced."""
         found = self.__dict__.get("_native_layer", False)
         if found is False or (found and not self._still_holds(found)):  # e.g. LoRA wrapped a linear since
             found = self.__dict__["_native_layer"] = self._find_native_linears()
@@ -603,7 +604,8 @@ class Transformer(nn.Module):
         there (~2x MKL's sgemm on AVX2). Only the engine takes it: evaluations keep `logits`, whose result
         for a row does not depend on how many rows are scored with it. A subclass's own `logits` always runs."""
         head = self.lm_head
-        if (type(self).logits is Transformer.logits and type(head) is nn.Linear and head.bias is None and hidden.numel() <= native.F32_MAX_ROWS * hidden.shape[-1]
+        few_rows = hidden.numel() <= native.F32_MAX_ROWS * hidden.shape[-1]
+        if (type(self).logits is Transformer.logits and type(head) is nn.Linear and head.bias is None and few_rows
                 and native.takes(hidden, head.weight) and _native_float_weight(head)):
             return self._capped(native.f32_matmul(hidden, head.weight))
         return self.logits(hidden)
