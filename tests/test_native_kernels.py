@@ -326,6 +326,80 @@ def test_a_decode_step_in_one_call_gives_the_modules_result_bit_for_bit(scheme, 
         assert modules == fused
 
 
+NATIVE_FAMILIES = {  # decoder shapes the one-call step takes beyond plain Llama
+    "mixtral": dict(model_type="mixtral", num_experts=4, num_experts_per_tok=2, routed_scaling_factor=1.5),
+    "mixtral-int4": dict(model_type="mixtral", num_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(model_type="qwen2_moe", qkv_bias=True, num_experts=6, num_experts_per_tok=3,
+                      moe_intermediate_size=32, shared_expert_intermediate_size=96, norm_topk_prob=False,
+                      mlp_only_layers=[1]),
+    "qwen2": dict(model_type="qwen2", qkv_bias=True),
+}
+
+
+@needs_native
+@pytest.mark.parametrize("family", sorted(NATIVE_FAMILIES))
+def test_mixtures_of_experts_and_qkv_biases_decode_in_one_call(family, monkeypatch, fresh_native):
+    """A Mixtral-style mixture (the top k's softmax, a routed scaling factor; float32 or with int4 attention),
+    a Qwen2-MoE one (the full softmax's top k, a sigmoid-gated shared expert, a dense layer between) and
+    Qwen2's qkv bias decode every all-decode step of a ragged batch in one `native.decode_layers` call,
+    with the tokens and logprobs of the same model run module by module (rounding apart: MKL there)."""
+    from tokenmind.model.config import ModelConfig
+    from tokenmind.model.quant import quantize_model
+    from tokenmind.model.transformer import MoE, Transformer
+
+    monkeypatch.setenv("TOKENMIND_NATIVE", "1")
+    torch.manual_seed(12)
+    cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      **NATIVE_FAMILIES[family].copy())
+    model = Transformer(cfg).eval()
+    model.init_weights(std=0.05)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, MoE):  # spread the router's scores (no near-ties that rounding could flip)
+                module.gate.weight.normal_(0.0, 0.5)
+            if getattr(module, "qkv_proj", None) is not None and module.qkv_proj.bias is not None:
+                module.qkv_proj.bias.normal_(0.0, 0.5)
+    if family.endswith("int4"):
+        model = quantize_model(model, "int4", quantize_lm_head=False)
+    assert any(isinstance(m, MoE) for m in model.modules()) == ("moe" in family or "mixtral" in family)
+    calls = []
+    real = native.decode_layers
+    monkeypatch.setattr(native, "decode_layers", lambda x, layers, *a: calls.append(len(layers)) or real(x, layers, *a))
+    fused = _greedy(model, 10)
+    assert len(calls) >= 9 and set(calls) == {3}
+    for block in model.layers:
+        block.__dict__["_native_layer"] = None
+    calls.clear()
+    modules = _greedy(model, 10)
+    assert not calls
+    for (tokens_a, lp_a), (tokens_b, lp_b) in zip(modules, fused):
+        assert tokens_a == tokens_b and lp_a == pytest.approx(lp_b, abs=1e-5)
+
+
+@needs_native
+def test_routers_the_kernel_cannot_run_keep_the_modules(monkeypatch, fresh_native):
+    """DeepSeek-V3's sigmoid scores with a balancing bias and group-limited routing are not the kernel's:
+    such a mixture decodes module by module (its attention is latent anyway; here a Mixtral block with
+    the router switched, so only the router decides)."""
+    from tokenmind.model.config import ModelConfig
+    from tokenmind.model.transformer import Transformer
+
+    monkeypatch.setenv("TOKENMIND_NATIVE", "1")
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, model_type="mixtral", num_experts=4,
+                      num_experts_per_tok=2)
+    moe = Transformer(cfg).eval().layers[0].mlp
+    assert moe._native_mixture() is not None
+    moe.gate.sigmoid = True
+    assert moe._native_mixture() is None
+    moe.gate.sigmoid, moe.gate.method = False, "group_limited_greedy"
+    assert moe._native_mixture() is None
+    moe.gate.method = "greedy"
+    moe.experts.gate_up_proj.data = moe.experts.gate_up_proj.data.transpose(1, 2).contiguous().transpose(1, 2)
+    assert moe._native_mixture() is None  # not contiguous: the kernel reads rows in place
+
+
 @needs_native
 def test_a_linear_replaced_after_decoding_is_seen(monkeypatch, fresh_native):
     """A block that decoded natively and then had a linear swapped (as adapters are wrapped around them)

@@ -105,8 +105,8 @@ def library() -> ctypes.CDLL | None:
     lib.tm_rotary.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ptr, i64]
     lib.tm_silu_mul.argtypes = [ptr, i64, i64, ptr]
     lib.tm_rms_norm.restype = lib.tm_rotary.restype = lib.tm_silu_mul.restype = None
-    lib.tm_decode_layers.argtypes = [ptr, i64, i64, i64, ptr, ptr, ctypes.c_float, i64, i64, ptr, ptr, ptr, ptr, i64,
-                                     ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+    lib.tm_decode_layers.argtypes = [ptr, i64, i64, i64, ptr, ptr, ctypes.c_float, i64, ptr, ptr, ptr, ptr, i64,
+                                     ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_float, ctypes.c_int]
     lib.tm_decode_layers.restype = ctypes.c_int
     return lib
 
@@ -238,35 +238,56 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return y
 
 
+ROUTE_TOPK_SOFTMAX, ROUTE_SOFTMAX_TOPK = 0, 1  # native_kernels.c's ROUTE_*: how a mixture's router weighs its top k
+
+
 def decode_layers(x: torch.Tensor, layers: list, eps: float, block_rows: int, cos: torch.Tensor,
                   signed_sin: torch.Tensor, k_pools: torch.Tensor, v_pools: torch.Tensor, slots: torch.Tensor,
                   block_tables: torch.Tensor, lens: torch.Tensor, first_key: int, window: int | None,
-                  heads: tuple[int, int, int], scale: float) -> None:
+                  heads: tuple[int, int, int], scale: float, routed_scaling: float = 1.0) -> None:
     """One all-decode step of a stack of plain pre-norm blocks in one call (`tm_decode_layers`), x (1, N, d)
     updated in place. layers: per block ((input norm weight, post-attention norm weight), [the linears qkv,
     o, gate_up, down: each an Int4Linear (PyTorch's packing, bf16 scales and zeros), an Int8Linear or a
-    float32 nn.Linear], its index in the pools); k_pools / v_pools: every layer's (layers, blocks, block_size, H_kv, D) float32,
-    contiguous; heads: (H, H_kv, head_dim); the rest as in `decode_attention` and `rotary`."""
+    float32 nn.Linear, qkv's bias float32 if any; in a mixture of experts gate_up and down are its shared
+    expert's, or None], its index in the pools, and None for a dense MLP or a mixture of experts as
+    (router weight (E, d), experts' gate_up (E, 2 Fe, d) and down (E, d, Fe), the shared expert's gate
+    weight (1, d) or None, top k, ROUTE_*), all float32 and contiguous); k_pools / v_pools: every layer's
+    (layers, blocks, block_size, H_kv, D) float32, contiguous; heads: (H, H_kv, head_dim); routed_scaling:
+    the factor on the experts' weights; the rest as in `decode_attention` and `rotary`."""
     n, d = x.shape[1], x.shape[2]
     k_base, v_base = k_pools.data_ptr(), v_pools.data_ptr()
     k_layer, v_layer = k_pools.stride(0) * 4, v_pools.stride(0) * 4  # bytes per layer of float32
-    ptrs, groups = [], []
-    for (ln1, ln2), linears, index in layers:  # in the order of native_kernels.c's P_* row
+    ptrs, info = [], []
+    for (ln1, ln2), linears, index, mixture in layers:  # in the order of native_kernels.c's P_* and I_* rows
         ptrs += [ln1.data_ptr(), ln2.data_ptr()]
         for lin in linears:
             scales = getattr(lin, "_scales_name", None)
-            if scales is None:  # a float32 nn.Linear
+            if lin is None:  # a mixture of experts without a shared expert
+                ptrs += [0, 0]
+                info.append(-1)
+            elif scales is None:  # a float32 nn.Linear
                 ptrs += [lin._parameters["weight"].data_ptr(), 0]
-                groups.append(-1)
+                info.append(-1)
             else:
                 buffers = lin._buffers
                 ptrs += [buffers["weight"].data_ptr(), buffers[scales].data_ptr()]
-                groups.append(getattr(lin, "group_size", 0))  # 0: int8
-        ptrs += [k_base + index * k_layer, v_base + index * v_layer]
+                info.append(getattr(lin, "group_size", 0))  # 0: int8
+        qkv = linears[0]
+        bias = qkv._parameters["bias"] if type(qkv) is torch.nn.Linear else qkv._buffers["bias"]
+        ptrs += [k_base + index * k_layer, v_base + index * v_layer, 0 if bias is None else bias.data_ptr()]
+        info.append(0 if linears[3] is None else linears[3].in_features)
+        if mixture is None:
+            ptrs += [0, 0, 0, 0]
+            info += [0, 0, 0, 0]
+        else:
+            router, experts_gu, experts_dn, shared_gate, top_k, routing = mixture
+            ptrs += [router.data_ptr(), experts_gu.data_ptr(), experts_dn.data_ptr(),
+                     0 if shared_gate is None else shared_gate.data_ptr()]
+            info += [router.shape[0], top_k, experts_dn.shape[2], routing]
     h, hkv, hd = heads
-    ptrs, groups = array.array("q", ptrs), array.array("q", groups)  # int64 C arrays, ~15x faster to fill than ctypes'
+    ptrs, info = array.array("q", ptrs), array.array("q", info)  # int64 C arrays, ~15x faster to fill than ctypes'
     _checked(library().tm_decode_layers(
-        x.data_ptr(), n, d, len(layers), ptrs.buffer_info()[0], groups.buffer_info()[0],
-        eps, block_rows, layers[0][1][3].in_features, cos.data_ptr(), signed_sin.data_ptr(), slots.data_ptr(),
+        x.data_ptr(), n, d, len(layers), ptrs.buffer_info()[0], info.buffer_info()[0],
+        eps, block_rows, cos.data_ptr(), signed_sin.data_ptr(), slots.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), lens.data_ptr(), first_key, window or 0, h, hkv, hd,
-        k_pools.shape[2], scale, torch.get_num_threads()))
+        k_pools.shape[2], scale, routed_scaling, torch.get_num_threads()))

@@ -583,8 +583,21 @@ void tm_silu_mul(const float *gu, int64_t R, int64_t F, float *y) {
 /* Pointers of one layer as decode_layers reads them (an int64 row each, so Python fills one array):
  * the two norm weights, then (weight, scales) of qkv, o, gate/up and down (int4: PyTorch's packing and
  * its (groups, N, 2) scales and zeros; int8: the (N, K) codes and (N,) scales; float32: the (N, K)
- * weight and no scales), then the layer's key and value pools. */
-enum { P_LN1, P_LN2, P_QKV, P_QKV_SZ, P_O, P_O_SZ, P_GU, P_GU_SZ, P_DN, P_DN_SZ, P_K, P_V, P_COUNT };
+ * weight and no scales; gate/up and down are a mixture of experts' shared expert, 0 where it has none),
+ * then the layer's key and value pools, qkv's float32 bias or 0 (Qwen2), then a mixture of experts'
+ * float32 router (E, d), experts' gate/up (E, 2 Fe, d) and down (E, d, Fe), and its shared expert's
+ * gate (d) or 0 (0 in a dense layer). */
+enum { P_LN1, P_LN2, P_QKV, P_QKV_SZ, P_O, P_O_SZ, P_GU, P_GU_SZ, P_DN, P_DN_SZ, P_K, P_V, P_QKV_BIAS, P_ROUTER,
+       P_EXPERT_GU, P_EXPERT_DN, P_SHARED_GATE, P_COUNT };
+
+/* The integers of one layer: its linears' kinds (int4 group size, 0 int8, -1 float32), the dense MLP's
+ * (or the shared expert's) width F, 0 for none, and for a mixture of experts the number of experts E
+ * (0 in a dense layer), top k, the experts' width Fe and the routing (ROUTE_*). */
+enum { I_QKV, I_O, I_GU, I_DN, I_F, I_EXPERTS, I_TOPK, I_EXPERT_F, I_ROUTING, I_COUNT };
+
+/* Mixtral, Qwen3-MoE: a softmax over the top k logits (= the full softmax renormalised over the chosen);
+ * Qwen2-MoE: the full softmax's top k as they are. Either then times the routed scaling factor. */
+enum { ROUTE_TOPK_SOFTMAX, ROUTE_SOFTMAX_TOPK };
 
 /* One of a layer's linears: int4 with this group size, int8 where group is 0, float32 where it is -1. */
 static int linear(const float *x, int64_t M, int64_t K, const int64_t *p, int w, int64_t group, int64_t N,
@@ -596,23 +609,130 @@ static int linear(const float *x, int64_t M, int64_t K, const int64_t *p, int w,
                  : tm_int8_matmul(x, M, K, weight, scales, N, y, threads);
 }
 
+/* SwiGLU over M rows h (M, d) with the layer's gate/up and down linears: out (M, d). gu, act: scratch. */
+static int swiglu(const float *h, int64_t M, int64_t d, int64_t F, const int64_t *p, const int64_t *info, int64_t B,
+                  float *gu, float *act, float *out, int threads) {
+    int status = linear(h, M, d, p, P_GU, info[I_GU], 2 * F, B, gu, threads);
+    tm_silu_mul(gu, M, F, act);
+    return status | linear(act, M, F, p, P_DN, info[I_DN], d, B, out, threads);
+}
+
+/* The k experts of each row of h (N, d) and their weights, as `Router.route` picks them (torch.topk's
+ * order: the largest first, the lower index first among equals). */
+static void route(const float *logits, int64_t N, int64_t E, int64_t k, int64_t routing, float scaling,
+                  int64_t *chosen, float *weights) {
+    for (int64_t n = 0; n < N; n++) {
+        const float *z = logits + n * E;
+        int64_t *c = chosen + n * k;
+        float *w = weights + n * k, zmax = z[0], total = 0.0f, picked = 0.0f;
+        for (int64_t e = 1; e < E; e++)
+            zmax = z[e] > zmax ? z[e] : zmax;
+        for (int64_t e = 0; e < E; e++)
+            total += expf(z[e] - zmax);
+        for (int64_t j = 0; j < k; j++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++) {
+                int taken = 0;
+                for (int64_t i = 0; i < j; i++)
+                    taken |= c[i] == e;
+                if (!taken && (best < 0 || z[e] > z[best]))
+                    best = e;
+            }
+            c[j] = best;
+            w[j] = expf(z[best] - zmax);
+            picked += w[j];
+        }
+        const float norm = routing == ROUTE_TOPK_SOFTMAX ? picked : total;
+        for (int64_t j = 0; j < k; j++)
+            w[j] = w[j] / norm * scaling;
+    }
+}
+
+/* A sparse mixture of experts over the rows of h (N, d) → out (N, d): the router's logits, each row's
+ * top k experts (`route`), then expert by expert the rows that chose it as one few-row SwiGLU, each
+ * result added to its row with the router's weight (in expert order, as `Experts.forward` adds them);
+ * plus the shared expert, scaled by the sigmoid of its gate where it has one. Returns -1 when out of memory. */
+static int mixture(const float *h, int64_t N, int64_t d, const int64_t *p, const int64_t *info, float scaling,
+                   int64_t B, float *out, int threads) {
+    const int64_t E = info[I_EXPERTS], k = info[I_TOPK], Fe = info[I_EXPERT_F], F = info[I_F];
+    const int64_t width = 2 * (Fe > F ? Fe : F);
+    float *logits = malloc(sizeof(float) * (size_t)(N * E + N * k + N * d + N * width + N * width / 2 + N * d));
+    int64_t *chosen = malloc(sizeof(int64_t) * (size_t)(N * k + N));
+    if (!logits || !chosen) {
+        free(logits);
+        free(chosen);
+        return -1;
+    }
+    float *weights = logits + N * E, *rows = weights + N * k, *gu = rows + N * d, *act = gu + N * width,
+          *y = act + N * width / 2;
+    int64_t *members = chosen + N * k;
+    const float *experts_gu = (const float *)(intptr_t)p[P_EXPERT_GU];
+    const float *experts_dn = (const float *)(intptr_t)p[P_EXPERT_DN];
+    int status = tm_f32_matmul(h, N, d, (const float *)(intptr_t)p[P_ROUTER], E, logits, 1);
+    route(logits, N, E, k, info[I_ROUTING], scaling, chosen, weights);
+    memset(out, 0, sizeof(float) * (size_t)(N * d));
+    for (int64_t e = 0; e < E; e++) {
+        int64_t count = 0;
+        for (int64_t i = 0; i < N * k; i++)
+            if (chosen[i] == e) {
+                members[count] = i;
+                memcpy(rows + count * d, h + (i / k) * d, sizeof(float) * (size_t)d);
+                count++;
+            }
+        if (!count)
+            continue;
+        status |= tm_f32_matmul(rows, count, d, experts_gu + e * 2 * Fe * d, 2 * Fe, gu, threads);
+        tm_silu_mul(gu, count, Fe, act);
+        status |= tm_f32_matmul(act, count, Fe, experts_dn + e * d * Fe, d, y, threads);
+        for (int64_t c = 0; c < count; c++) {
+            float *o = out + (members[c] / k) * d;
+            const float w = weights[members[c]];
+            for (int64_t j = 0; j < d; j++)
+                o[j] += w * y[c * d + j];
+        }
+    }
+    if (F) {
+        status |= swiglu(h, N, d, F, p, info, B, gu, act, y, threads);
+        const float *gate = (const float *)(intptr_t)p[P_SHARED_GATE];
+        for (int64_t n = 0; n < N; n++) {
+            float g = 1.0f;
+            if (gate) {
+                float z = 0.0f;
+                for (int64_t j = 0; j < d; j++)
+                    z += gate[j] * h[n * d + j];
+                g = 1.0f / (1.0f + expf(-z));
+            }
+            for (int64_t j = 0; j < d; j++)
+                out[n * d + j] += g * y[n * d + j];
+        }
+    }
+    free(logits);
+    free(chosen);
+    return status ? -1 : 0;
+}
+
 /* One all-decode step of a plain pre-norm block (Llama family: RMSNorm, fused qkv, rotate-half RoPE,
- * GQA attention over the paged pool, o, SwiGLU with fused gate/up; int4, int8 or float32 linears, no bias)
- * for N tokens, one per sequence: x (N, d) += attention, then += MLP, in place. Each piece is the
- * kernel the layer's modules call one by one (model/transformer.py), so the output equals theirs. The
- * new keys and values go to their `slots` in the pools before attention reads them. `p`: the layer's
- * pointers (P_*), `g`: its linears' group sizes; `mem` holds the intermediates (decode_layers sizes
- * it). Returns 0, or -1 when out of memory. */
-static int decode_layer(float *x, int64_t N, int64_t d, const int64_t *p, const int64_t *g, float eps, int64_t B,
+ * GQA attention over the paged pool, o, then a SwiGLU MLP with fused gate/up or a mixture of SwiGLU
+ * experts; int4, int8 or float32 linears, no bias) for N tokens, one per sequence: x (N, d) += attention,
+ * then += MLP, in place. Each piece is the kernel the layer's modules call one by one
+ * (model/transformer.py), so a dense layer's output equals theirs. The new keys and values go to their
+ * `slots` in the pools before attention reads them. `p`: the layer's pointers (P_*), `info` its integers
+ * (I_*); `mem` holds the intermediates (decode_layers sizes it). Returns 0, or -1 when out of memory. */
+static int decode_layer(float *x, int64_t N, int64_t d, const int64_t *p, const int64_t *info, float eps, int64_t B,
                         int64_t F, const float *cos, const float *ssin, const int64_t *slots, const int64_t *tables,
                         int64_t tstride, const int64_t *lens, int64_t first_key, int64_t window, int64_t H,
-                        int64_t Hkv, int64_t D, int64_t bs, float scale, int threads, float *mem) {
+                        int64_t Hkv, int64_t D, int64_t bs, float scale, float scaling, int threads, float *mem) {
     const int64_t row = (H + 2 * Hkv) * D;
     float *h = mem, *qkv = h + N * d, *att = qkv + N * row, *o = att + N * H * D, *gu = o + N * d, *act = gu + N * 2 * F;
     float *kpool = (float *)(intptr_t)p[P_K], *vpool = (float *)(intptr_t)p[P_V];
     int status = 0;
     tm_rms_norm(x, (const float *)(intptr_t)p[P_LN1], eps, N, d, h);
-    status |= linear(h, N, d, p, P_QKV, g[0], row, B, qkv, threads);
+    status |= linear(h, N, d, p, P_QKV, info[I_QKV], row, B, qkv, threads);
+    const float *bias = (const float *)(intptr_t)p[P_QKV_BIAS];
+    if (bias)
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t j = 0; j < row; j++)
+                qkv[n * row + j] += bias[j];
     tm_rotary(qkv, row, cos, ssin, N, H + Hkv, D, qkv, row);  /* q and k heads, in place */
     for (int64_t n = 0; n < N; n++) {
         const float *k = qkv + n * row + H * D, *v = k + Hkv * D;
@@ -624,34 +744,37 @@ static int decode_layer(float *x, int64_t N, int64_t d, const int64_t *p, const 
     }
     status |= tm_decode_attention(qkv, row, kpool, vpool, tables, tstride, lens, first_key, window, N, H, Hkv, D, D,
                                   bs, scale, att, threads);
-    status |= linear(att, N, H * D, p, P_O, g[1], d, B, o, threads);
+    status |= linear(att, N, H * D, p, P_O, info[I_O], d, B, o, threads);
     for (int64_t j = 0; j < N * d; j++)
         x[j] += o[j];
     tm_rms_norm(x, (const float *)(intptr_t)p[P_LN2], eps, N, d, h);
-    status |= linear(h, N, d, p, P_GU, g[2], 2 * F, B, gu, threads);
-    tm_silu_mul(gu, N, F, act);
-    status |= linear(act, N, F, p, P_DN, g[3], d, B, o, threads);
+    if (info[I_EXPERTS])
+        status |= mixture(h, N, d, p, info, scaling, B, o, threads);
+    else
+        status |= swiglu(h, N, d, info[I_F], p, info, B, gu, act, o, threads);
     for (int64_t j = 0; j < N * d; j++)
         x[j] += o[j];
     return status ? -1 : 0;
 }
 
 /* An all-decode step of L such blocks in one call (the arguments of decode_layer, per layer in `ptrs`
- * (L, P_COUNT) and `groups` (L, 4): the group sizes of qkv, o, gate/up and down, 0 for int8, -1 for
- * float32). One call per step instead of one per layer removes the Python between layers, a sixth of a
- * 135M model's batch-1 step. */
-int tm_decode_layers(float *x, int64_t N, int64_t d, int64_t L, const int64_t *ptrs, const int64_t *groups,
-                     float eps, int64_t B, int64_t F, const float *cos, const float *ssin, const int64_t *slots,
+ * (L, P_COUNT) and `info` (L, I_COUNT); `scaling`: the routed experts' scaling factor). One call per step
+ * instead of one per layer removes the Python between layers, a sixth of a 135M model's batch-1 step. */
+int tm_decode_layers(float *x, int64_t N, int64_t d, int64_t L, const int64_t *ptrs, const int64_t *info,
+                     float eps, int64_t B, const float *cos, const float *ssin, const int64_t *slots,
                      const int64_t *tables, int64_t tstride, const int64_t *lens, int64_t first_key, int64_t window,
-                     int64_t H, int64_t Hkv, int64_t D, int64_t bs, float scale, int threads) {
+                     int64_t H, int64_t Hkv, int64_t D, int64_t bs, float scale, float scaling, int threads) {
     const int64_t row = (H + 2 * Hkv) * D;
+    int64_t F = 0;
+    for (int64_t l = 0; l < L; l++)
+        F = info[l * I_COUNT + I_F] > F ? info[l * I_COUNT + I_F] : F;
     float *mem = malloc(sizeof(float) * (size_t)(N * (d + row + H * D + d + 2 * F + F)));
     if (!mem)
         return -1;
     int status = 0;
     for (int64_t l = 0; l < L && !status; l++)
-        status = decode_layer(x, N, d, ptrs + l * P_COUNT, groups + 4 * l, eps, B, F, cos, ssin, slots, tables,
-                              tstride, lens, first_key, window, H, Hkv, D, bs, scale, threads, mem);
+        status = decode_layer(x, N, d, ptrs + l * P_COUNT, info + l * I_COUNT, eps, B, F, cos, ssin, slots, tables,
+                              tstride, lens, first_key, window, H, Hkv, D, bs, scale, scaling, threads, mem);
     free(mem);
     return status;
 }

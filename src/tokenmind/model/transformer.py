@@ -306,6 +306,21 @@ class MoE(nn.Module):
                              persistent=False)
         self.router_logits: torch.Tensor | None = None
 
+    def _native_mixture(self) -> tuple | None:
+        """The router and experts as `native.decode_layers` reads a mixture (router weight, experts' gate_up and
+        down, the shared expert's gate weight or None, top k, routing), or None where the kernel cannot run it:
+        only a softmax router's plain top k (Mixtral, Qwen2/3-MoE; no groups, sigmoid scores or bias), every
+        expert held here, all float32 and contiguous with widths a multiple of 8."""
+        router, experts = self._modules["gate"], self._modules["experts"]
+        gate = self._modules.get("shared_expert_gate")
+        tensors = [router.weight, experts.gate_up_proj, experts.down_proj] + ([] if gate is None else [gate.weight])
+        if (router.sigmoid or router.method != "greedy" or type(experts) is not Experts or gate is not None
+                and gate.bias is not None
+                or not all(t.dtype == torch.float32 and t.is_contiguous() and t.shape[-1] % 8 == 0 for t in tensors)):
+            return None
+        routing = native.ROUTE_TOPK_SOFTMAX if router.normalize else native.ROUTE_SOFTMAX_TOPK
+        return (tensors[0], tensors[1], tensors[2], None if gate is None else tensors[3], self.top_k, routing)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         logits = self.gate(flat)
@@ -391,9 +406,10 @@ class Block(nn.Module):
 
     def _native_linears(self) -> list | None:
         """qkv, o, gate/up and down if this block can run in a native all-decode step
-        (`Transformer._decode_natively`): a plain Llama-family block (no biases, q/k norms, clipping or
-        soft-capping; SwiGLU) whose linears are int4 or int8 on the native kernels, or float32 `nn.Linear`s.
-        Decided once, and again if a linear is replaced."""
+        (`Transformer._decode_natively`): a plain Llama-family block (no biases but qkv's, no q/k norms,
+        clipping or soft-capping; SwiGLU, or a float32 mixture of SwiGLU experts that `MoE._native_mixture`
+        takes, whose shared expert's gate/up and down stand here, None without one) whose linears are int4
+        or int8 on the native kernels, or float32 `nn.Linear`s. Decided once, and again if one is replaced."""
         found = self.__dict__.get("_native_layer", False)
         if found is False or (found and not self._still_holds(found)):  # e.g. LoRA wrapped a linear since
             found = self.__dict__["_native_layer"] = self._find_native_linears()
@@ -401,26 +417,37 @@ class Block(nn.Module):
 
     def _still_holds(self, linears: list) -> bool:
         # Runs for every layer of every decode step: the module dicts directly (nn.Module.__getattr__ costs ~0.5 µs).
-        attn, mlp = self._modules["self_attn"]._modules, self._modules["mlp"]._modules
+        attn, mlp = self._modules["self_attn"]._modules, self._modules["mlp"]
+        ffn = mlp._modules.get("shared_expert") if type(mlp) is MoE else mlp
+        ffn = {} if ffn is None else ffn._modules
         return (linears[0] is attn.get("qkv_proj") and linears[1] is attn.get("o_proj")
-                and linears[2] is mlp.get("gate_up_proj") and linears[3] is mlp.get("down_proj")
+                and linears[2] is ffn.get("gate_up_proj") and linears[3] is ffn.get("down_proj")
                 and all(type(lin) is not nn.Linear or _native_float_weight(lin) for lin in linears))
 
     def _find_native_linears(self) -> list | None:
         from .quant import Int4Linear, Int8Linear
 
         attn, mlp, norms = self.self_attn, self.mlp, (self.input_layernorm, self.post_attention_layernorm)
-        if not (type(self) is Block and type(attn) is Attention and type(mlp) is MLP and mlp.act is F.silu):
+        if not (type(self) is Block and type(attn) is Attention and type(mlp) in (MLP, MoE)):
             return None
-        linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        ffn = mlp if type(mlp) is MLP else getattr(mlp, "shared_expert", None)
+        if type(mlp) is MoE and (mlp._native_mixture() is None or hasattr(mlp, "shared_experts")):
+            return None
+        if ffn is not None and not (type(ffn) is MLP and ffn.act is F.silu and ffn.down_proj.in_features % 8 == 0):
+            return None
+        linears = [attn.qkv_proj, attn.o_proj] + ([None, None] if ffn is None else [ffn.gate_up_proj, ffn.down_proj])
         plain = (not hasattr(attn, "q_norm") and attn.clip_qkv is None and attn.softcap is None
                  and not any(n.unit_offset for n in norms) and norms[0].eps == norms[1].eps
                  and attn.head_dim % 16 == 0 and attn.n_heads % attn.n_kv == 0
-                 and attn.n_heads // attn.n_kv <= native.MAX_QUERY_GROUP and mlp.down_proj.in_features % 8 == 0)
-        quantized_ok = [type(lin) in (Int4Linear, Int8Linear) and lin.bias is None and lin.padded_in == lin.in_features
+                 and attn.n_heads // attn.n_kv <= native.MAX_QUERY_GROUP)
+        quantized_ok = [type(lin) in (Int4Linear, Int8Linear) and lin.padded_in == lin.in_features
                         and lin.compute_dtype == torch.bfloat16 and lin._native_ready() for lin in linears]
-        float_ok = [type(lin) is nn.Linear and lin.bias is None and _native_float_weight(lin) for lin in linears]
+        float_ok = [lin is None or (type(lin) is nn.Linear and _native_float_weight(lin)) for lin in linears]
         if not plain or not all(q or f for q, f in zip(quantized_ok, float_ok)):
+            return None
+        qkv_bias = linears[0].bias  # Qwen2's is added in the kernel; no other linear may have one
+        if (qkv_bias is not None and not (qkv_bias.dtype == torch.float32 and qkv_bias.is_contiguous())
+                or any(lin is not None and lin.bias is not None for lin in linears[1:])):
             return None
         return linears
 
@@ -563,9 +590,9 @@ class Transformer(nn.Module):
 
     def _decode_natively(self, blocks, x, ropes, meta: PagedAttentionMetadata, cache: PagedKVCache):
         """The blocks' all-decode step in one native call (`native.decode_layers`), or None where this step
-        is not one (some sequence brings several tokens, a block is not the plain int4 kind
-        `Block._native_linears` describes, the blocks differ in window or rotary table, or the pool or the
-        tables are not what the kernel reads): then the blocks run one by one."""
+        is not one (some sequence brings several tokens, a block is not of the kinds `Block._native_linears`
+        takes, the blocks differ in window or rotary table, or the pool or the tables are not what the kernel
+        reads): then the blocks run one by one."""
         first = blocks[0].self_attn if blocks else None
         if (first is None or x.dim() != 3 or x.shape[0] != 1 or not cache_native_ok(cache)
                 or meta.slot_mapping.dtype != torch.int64):
@@ -574,9 +601,12 @@ class Transformer(nn.Module):
         for block in blocks:  # every step: module dicts directly, as in Block._still_holds
             linears, mods = block._native_linears(), block._modules
             attn, ln1, ln2 = mods["self_attn"], mods["input_layernorm"], mods["post_attention_layernorm"]
-            if linears is None or attn.window != first.window or block.local_rope != local or ln1.eps != eps:
+            mlp = mods["mlp"]
+            mixture = mlp._native_mixture() if type(mlp) is MoE else None
+            if (linears is None or attn.window != first.window or block.local_rope != local or ln1.eps != eps
+                    or mixture is None and type(mlp) is MoE):
                 return None
-            layers.append(((ln1._parameters["weight"], ln2._parameters["weight"]), linears, attn.layer_idx))
+            layers.append(((ln1._parameters["weight"], ln2._parameters["weight"]), linears, attn.layer_idx, mixture))
         dec = meta.decode_batch(cache.block_size, first.window)
         cos, sin = ropes[blocks[0].local_rope]
         n = x.shape[1]
@@ -589,7 +619,7 @@ class Transformer(nn.Module):
         out = x.clone()
         native.decode_layers(out, layers, eps, int4_block_rows(), cos, sin, cache.k, cache.v, meta.slot_mapping,
                              dec.block_tables, dec.lens_tensor(), meta.first_key, first.window,
-                             (first.n_heads, first.n_kv, first.head_dim), first.scale)
+                             (first.n_heads, first.n_kv, first.head_dim), first.scale, self.cfg.routed_scaling_factor)
         return out
 
     def hf_config(self) -> dict:
