@@ -310,12 +310,13 @@ class MoE(nn.Module):
         """The router and experts as `native.decode_layers` reads a mixture (router weight, experts' gate_up and
         down, the shared expert's gate weight or None, top k, routing), or None where the kernel cannot run it:
         only a softmax router's plain top k (Mixtral, Qwen2/3-MoE; no groups, sigmoid scores or bias), every
-        expert held here, all float32 and contiguous with widths a multiple of 8."""
+        expert held here, at most Qwen2-MoE's one gated shared expert (not DeepSeek's ungated ones), all
+        float32 and contiguous with widths a multiple of 8."""
         router, experts = self._modules["gate"], self._modules["experts"]
         gate = self._modules.get("shared_expert_gate")
         tensors = [router.weight, experts.gate_up_proj, experts.down_proj] + ([] if gate is None else [gate.weight])
-        if (router.sigmoid or router.method != "greedy" or type(experts) is not Experts or gate is not None
-                and gate.bias is not None
+        if (router.sigmoid or router.method != "greedy" or type(experts) is not Experts
+                or "shared_experts" in self._modules or gate is not None and gate.bias is not None
                 or not all(t.dtype == torch.float32 and t.is_contiguous() and t.shape[-1] % 8 == 0 for t in tensors)):
             return None
         routing = native.ROUTE_TOPK_SOFTMAX if router.normalize else native.ROUTE_SOFTMAX_TOPK
@@ -431,7 +432,7 @@ class Block(nn.Module):
         if not (type(self) is Block and type(attn) is Attention and type(mlp) in (MLP, MoE)):
             return None
         ffn = mlp if type(mlp) is MLP else getattr(mlp, "shared_expert", None)
-        if type(mlp) is MoE and (mlp._native_mixture() is None or hasattr(mlp, "shared_experts")):
+        if type(mlp) is MoE and mlp._native_mixture() is None:
             return None
         if ffn is not None and not (type(ffn) is MLP and ffn.act is F.silu and ffn.down_proj.in_features % 8 == 0):
             return None
