@@ -7,6 +7,8 @@ dependency of tokenmind.
 
 from __future__ import annotations
 
+import tokenmind  # noqa: F401  (before torch: on AMD CPUs this is what picks MKL's fast kernels, model/cpu.py)
+
 import json
 import os
 import platform
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from tokenmind.model.cpu import cpu_flags
+from tokenmind.model.cpu import cpu_flags, cpuinfo_field, mkl_intel_kernels_taken
 
 HERE = Path(__file__).resolve().parent
 PEER_VENV = HERE / ".venv-peers"
@@ -62,23 +64,13 @@ def machine_info(**extra) -> dict:
                                                     "amx_tile") if f in cpu_flags()],
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
             "python": platform.python_version(), "torch": torch.__version__,
-            "loadavg_1m": round(os.getloadavg()[0], 2)}
+            "mkl_intel_kernels": mkl_intel_kernels_taken(), "loadavg_1m": round(os.getloadavg()[0], 2)}
     info.update(extra)
     return info
 
 
-def _cpuinfo(key: str) -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(key):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def cpu_model() -> str:
-    return _cpuinfo("model name")
+    return cpuinfo_field("model name") or platform.processor() or "unknown"
 
 
 def free_port() -> int:
@@ -118,6 +110,12 @@ def emit(result: dict, out: str | None) -> None:
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(text + "\n")
         tmp.replace(path)
+
+
+def child_env(peer: bool, **extra: str) -> dict[str, str]:
+    """The environment of a side's child process. A peer's keeps MKL's stock kernel choice, as that library's
+    users run it (`import tokenmind` in the harness would otherwise give it tokenmind's AMD choice too)."""
+    return dict(os.environ, **extra, **({"TOKENMIND_MKL_INTEL_PATH": "0"} if peer else {}))
 
 
 def side_or_run(args, side, run) -> dict | None:

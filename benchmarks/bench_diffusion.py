@@ -1,4 +1,4 @@
-"""DiT training steps/s and sampling images/s: tokenmind vs diffusers on the same weights, in one process.
+"""DiT training steps/s and sampling images/s: tokenmind vs diffusers on the same weights, each in its own process.
 
 Both sides run the same DiT (tokenmind's `DiT` of the shipped config `diffusion_fashion.yaml`,
 its weights copied into diffusers' `DiTTransformer2DModel` with `dit_to_diffusers`), the same
@@ -17,24 +17,34 @@ batch of 28×28 images, the same step counts and AdamW hyperparameters.
   in pixel space): it too batches CFG in one forward of 2B rows, but keeps the latents
   duplicated (2B) and runs `DDIMScheduler.step` on all of them; in fp32 (the pipeline's dtype).
 
-Sides alternate over `--repeats` (order flipped every repeat) so machine noise hits both;
-medians are reported.
+Each repeat runs each side in a fresh child process (warm-up and compilation, then the timed
+training steps and one timed sampling run), the order flipped every repeat so machine noise hits
+both; medians are reported. Separate processes because of one more difference between the sides:
+`import tokenmind` makes MKL run its Intel kernels on AMD CPUs (`model/cpu.py:take_mkl_intel_kernels`,
+~1.2-1.3x faster fp32 matmuls there; nothing changes on Intel CPUs), which a diffusers user does not
+get, so the diffusers child runs with `TOKENMIND_MKL_INTEL_PATH=0`; `--peer-mkl-intel` gives it the
+same kernels, for the ratio with equal matmuls.
 
-    python benchmarks/bench_diffusion.py [--batch 32] [--sample-batch 32] [--steps 20] [--compile]
+    python benchmarks/bench_diffusion.py [--batch 32] [--sample-batch 32] [--steps 20] [--compile] [--peer-mkl-intel]
 """
 
 from __future__ import annotations
 
+import tokenmind  # noqa: F401  (first, before torch: on AMD CPUs it picks MKL's fast kernels, see the docstring)
+
 import argparse
+import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from _common import emit, machine_info, timed
+from _common import child_env, emit, machine_info, timed, timed_call
 from tokenmind.diffusion.config import load_config
 from tokenmind.diffusion.data import ImageLoader
 from tokenmind.diffusion.dit import dit_config_to_diffusers, dit_to_diffusers
@@ -92,75 +102,106 @@ def reference_sample(model, scheduler, n: int, steps: int, guidance: float, seed
     return latent_model_input.chunk(2)[0]
 
 
-def run(args: argparse.Namespace) -> dict:
+def measure_side(args: argparse.Namespace) -> dict:
+    """One side in this process: `warmup` training steps (compiling, if asked), `train_steps` timed ones, then
+    one warm-up and one timed sampling run; the seconds, losses and which MKL kernels this process runs."""
     import diffusers
 
-    load_start = os.getloadavg()
-    started = time.perf_counter()
+    from tokenmind.model.cpu import mkl_intel_kernels_taken
+
+    torch.set_num_threads(args.threads)
     overrides = [f"data.batch_size={args.batch}", "train.precision=auto", f"train.compile={args.compile}",
-                 "schedule.warmup_steps=0", f"train.steps={args.warmup + args.train_steps * args.repeats + 1}",
+                 "schedule.warmup_steps=0", f"train.steps={args.warmup + args.train_steps + 1}",
                  "train.eval_every=0", "train.checkpoint_every=0"]
     with tempfile.TemporaryDirectory() as out_dir:
         cfg = load_config(CONFIG, [*overrides, f"train.out_dir={out_dir}"])
         torch.manual_seed(cfg.train.seed)
         model = build_model(cfg)
         images, labels = random_images(args.batch * 8, seed=0)
-        trainer = DiffusionTrainer(cfg, init_distributed("none", "cpu"), model,
-                                   ImageLoader(images, labels, args.batch, seed=1), objective=build_objective(cfg))
-        reference = diffusers.DiTTransformer2DModel(**dit_config_to_diffusers(model.cfg))
-        reference.load_state_dict(dit_to_diffusers(model))  # the same initial weights
-        reference.train()
+        loader = ImageLoader(images, labels, args.batch, seed=1)
         d, o = cfg.diffusion, cfg.optim
-        ref_noise = diffusers.DDPMScheduler(num_train_timesteps=d.num_train_timesteps, beta_schedule=d.beta_schedule)
-        ref_opt = torch.optim.AdamW(reference.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
-                                    weight_decay=o.weight_decay)
-        ref_loader = ImageLoader(images, labels, args.batch, seed=1)
-        ref_precision = "bf16" if args.reference_bf16 else "fp32"
-        losses = {"tokenmind": [], "diffusers": []}
-        train = {"tokenmind": lambda: losses["tokenmind"].append(trainer.train_step()["loss"]),
-                 "diffusers": lambda: losses["diffusers"].append(
-                     reference_train_step(reference, ref_opt, ref_noise, ref_loader, ref_precision, o.grad_clip))}
-        train_s = alternate(train, args.warmup, args.train_steps, args.repeats)
-
-        model.eval()
-        reference.eval()
-        ddim = make_scheduler(cfg, "ddim")
-        ref_ddim = diffusers.DDIMScheduler(num_train_timesteps=d.num_train_timesteps, beta_schedule=d.beta_schedule,
-                                           clip_sample=d.clip_sample, timestep_spacing=d.timestep_spacing,
-                                           set_alpha_to_one=False)
         n = args.sample_batch
-        sampler_model = compile_for_sampling(model) if args.compile else model
-        draw = {"tokenmind": lambda: sample(sampler_model, ddim, (n, 1, 28, 28), torch.full((n,), 7), args.steps,
-                                            args.guidance, torch.Generator().manual_seed(0), num_classes=10,
-                                            precision=cfg.train.precision),
-                "diffusers": lambda: reference_sample(reference, ref_ddim, n, args.steps, args.guidance, 0,
-                                                      ref_precision)}
-        sample_s = alternate(draw, 1, 1, args.repeats)
+        if args.side == "tokenmind":
+            trainer = DiffusionTrainer(cfg, init_distributed("none", "cpu"), model, loader,
+                                       objective=build_objective(cfg))
+            train_step = lambda: trainer.train_step()["loss"]  # noqa: E731
+        else:
+            reference = diffusers.DiTTransformer2DModel(**dit_config_to_diffusers(model.cfg))
+            reference.load_state_dict(dit_to_diffusers(model))  # the same initial weights
+            reference.train()
+            ref_noise = diffusers.DDPMScheduler(num_train_timesteps=d.num_train_timesteps,
+                                                beta_schedule=d.beta_schedule)
+            ref_opt = torch.optim.AdamW(reference.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+                                        weight_decay=o.weight_decay)
+            precision = "bf16" if args.reference_bf16 else "fp32"
+            train_step = lambda: reference_train_step(reference, ref_opt, ref_noise, loader, precision,  # noqa: E731
+                                                      o.grad_clip)
+        losses = [train_step() for _ in range(args.warmup)]
+        train_s, timed_losses = timed_call(lambda: [train_step() for _ in range(args.train_steps)])
+        losses += timed_losses
 
-    def side(name: str) -> dict:
-        steps_per_s = [args.train_steps / s for s in train_s[name]]
-        images_per_s = [n / s for s in sample_s[name]]
+        if args.side == "tokenmind":
+            model.eval()
+            ddim = make_scheduler(cfg, "ddim")
+            sampler_model = compile_for_sampling(model) if args.compile else model
+            draw = lambda: sample(sampler_model, ddim, (n, 1, 28, 28), torch.full((n,), 7), args.steps,  # noqa: E731
+                                  args.guidance, torch.Generator().manual_seed(0), num_classes=10,
+                                  precision=cfg.train.precision)
+            runs = (f"DiffusionTrainer.train_step ({cfg.train.precision}, compile={args.compile}); "
+                    f"sampling.sample DDIM, CFG in one 2B forward, {cfg.train.precision}"
+                    + (", compile_for_sampling" if args.compile else ""))
+        else:
+            reference.eval()
+            ref_ddim = diffusers.DDIMScheduler(num_train_timesteps=d.num_train_timesteps,
+                                               beta_schedule=d.beta_schedule, clip_sample=d.clip_sample,
+                                               timestep_spacing=d.timestep_spacing, set_alpha_to_one=False)
+            draw = lambda: reference_sample(reference, ref_ddim, n, args.steps, args.guidance, 0,  # noqa: E731
+                                            precision)
+            runs = (f"diffusers {diffusers.__version__} DiTTransformer2DModel, {precision}; training: add_noise + MSE "
+                    "+ torch AdamW; sampling: DiTPipeline's loop (CFG in one 2B forward, DDIMScheduler.step on 2B "
+                    "latents)")
+        draw()
+        sample_s = timed(draw)
+    return {"train_s": train_s, "sample_s": sample_s, "losses": losses, "runs": runs,
+            "precision": cfg.train.precision, "parameters": sum(p.numel() for p in model.parameters()),
+            "mkl_intel_kernels": mkl_intel_kernels_taken()}
+
+
+def run(args: argparse.Namespace) -> dict:
+    load_start = os.getloadavg()
+    started = time.perf_counter()
+    sides: dict[str, list[dict]] = {"tokenmind": [], "diffusers": []}
+    for r in range(args.repeats):
+        for name in (("tokenmind", "diffusers") if r % 2 == 0 else ("diffusers", "tokenmind")):
+            out = subprocess.run([sys.executable, __file__, *side_arguments(args), "--side", name],
+                                 env=child_env(peer=name != "tokenmind" and not args.peer_mkl_intel), capture_output=True,
+                                 text=True)
+            if out.returncode:
+                raise SystemExit(f"the {name} side failed:\n{out.stderr[-3000:]}")
+            sides[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
+
+    def summary(name: str) -> dict:
+        runs = sides[name]
+        steps_per_s = [args.train_steps / x["train_s"] for x in runs]
+        images_per_s = [args.sample_batch / x["sample_s"] for x in runs]
         return {"train_steps_per_s": round(statistics.median(steps_per_s), 3),
                 "train_steps_per_s_repeats": [round(x, 3) for x in steps_per_s],
                 "sample_images_per_s": round(statistics.median(images_per_s), 3),
                 "sample_images_per_s_repeats": [round(x, 3) for x in images_per_s],
-                "loss_first": round(losses[name][0], 4), "loss_last": round(losses[name][-1], 4)}
+                "loss_first": round(runs[0]["losses"][0], 4), "loss_last": round(runs[0]["losses"][-1], 4),
+                "mkl_intel_kernels": runs[0]["mkl_intel_kernels"], "runs": runs[0]["runs"]}
 
-    sides = {name: side(name) for name in ("tokenmind", "diffusers")}
-    sides["tokenmind"]["runs"] = (f"DiffusionTrainer.train_step ({cfg.train.precision}, compile={args.compile}); "
-                                  f"sampling.sample DDIM, CFG in one 2B forward, {cfg.train.precision}"
-                                  + (", compile_for_sampling" if args.compile else ""))
-    sides["diffusers"]["runs"] = (f"diffusers {diffusers.__version__} DiTTransformer2DModel, {ref_precision}; "
-                                  "training: add_noise + MSE + torch AdamW; sampling: DiTPipeline's loop (CFG in one "
-                                  "2B forward, DDIMScheduler.step on 2B latents)")
-    t, r = sides["tokenmind"], sides["diffusers"]
+    t, r = summary("tokenmind"), summary("diffusers")
     return {
         "benchmark": "diffusion",
         "config": {"model": "DiT of diffusion_fashion.yaml (28x28, patch 4, 192 wide, 6 blocks, 3 heads)",
-                   "parameters": sum(p.numel() for p in model.parameters()), "train_batch": args.batch,
-                   "sample_batch": n, "sampling_steps": args.steps, "guidance_scale": args.guidance,
+                   "parameters": sides["tokenmind"][0]["parameters"], "train_batch": args.batch,
+                   "sample_batch": args.sample_batch, "sampling_steps": args.steps, "guidance_scale": args.guidance,
                    "train_steps_per_repeat": args.train_steps, "repeats": args.repeats, "compile": args.compile,
-                   "precision": cfg.train.precision, "reference_precision": ref_precision},
+                   "precision": sides["tokenmind"][0]["precision"],
+                   "reference_precision": "bf16" if args.reference_bf16 else "fp32",
+                   "peer_mkl": "tokenmind's Intel-kernel choice too" if args.peer_mkl_intel else "stock (as its users "
+                               "run it)"},
         "tokenmind": t, "diffusers": r,
         "train_speedup": round(t["train_steps_per_s"] / r["train_steps_per_s"], 3),
         "sample_speedup": round(t["sample_images_per_s"] / r["sample_images_per_s"], 3),
@@ -168,20 +209,15 @@ def run(args: argparse.Namespace) -> dict:
         "elapsed_s": round(time.perf_counter() - started, 1),
         "machine": machine_info(loadavg_start=[round(x, 2) for x in load_start],
                                 loadavg_end=[round(x, 2) for x in os.getloadavg()],
-                                note="shared, busy 2-core machine; both sides timed side by side in one run"),
+                                note="each side in a fresh process per repeat, alternating"),
     }
 
 
-def alternate(work: dict, warmup: int, count: int, repeats: int) -> dict[str, list[float]]:
-    """Seconds of `count` calls per side and repeat, after `warmup` calls each; order flips every repeat."""
-    for fn in work.values():
-        for _ in range(warmup):
-            fn()
-    seconds: dict[str, list[float]] = {name: [] for name in work}
-    for r in range(repeats):
-        for name in (list(work) if r % 2 == 0 else list(reversed(work))):
-            seconds[name].append(timed(lambda: [work[name]() for _ in range(count)]))
-    return seconds
+def side_arguments(args: argparse.Namespace) -> list[str]:
+    """The command-line arguments a side's child process repeats from the parent's."""
+    flags = [f"--{name.replace('_', '-')}={getattr(args, name)}"
+             for name in ("batch", "sample_batch", "steps", "guidance", "train_steps", "warmup", "threads")]
+    return flags + ["--compile"] * args.compile + ["--reference-bf16"] * args.reference_bf16
 
 
 def main() -> None:
@@ -196,9 +232,14 @@ def main() -> None:
     p.add_argument("--compile", action="store_true", help="train.compile=true and a compiled sampler for tokenmind")
     p.add_argument("--reference-bf16", action="store_true", help="run diffusers under the same bf16 autocast")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--peer-mkl-intel", action="store_true",
+                   help="give diffusers tokenmind's MKL kernel choice too (AMD CPUs; the like-for-like-kernels ratio)")
+    p.add_argument("--side", choices=["tokenmind", "diffusers"], help=argparse.SUPPRESS)
     p.add_argument("--out", default="benchmarks/results/bench_diffusion.json")
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
+    if args.side:
+        print(json.dumps(measure_side(args)))
+        return
     emit(run(args), args.out)
 
 

@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import machine_info, side_or_run
+from _common import child_env, machine_info, side_or_run
 
 TARGET_SPEEDUP = 2.0  # the goal: >= 2x TRL's DPOTrainer
 
@@ -114,7 +114,8 @@ def _child(args: argparse.Namespace, side: str, **extra) -> dict:
         cmd += [f"--{key.replace('_', '-')}", str(value)]
     if not args.compile:
         cmd.append("--no-compile")
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)),
+                         env=child_env(peer=side != "tokenmind"))
     if out.returncode:
         raise RuntimeError(f"{side} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine_info, side_or_run
+from _common import child_env, machine_info, side_or_run
 
 LR = 1e-6
 BETAS = (0.9, 0.95)
@@ -245,9 +245,7 @@ def _child(args: argparse.Namespace, side: str, **extra) -> dict:
            "--items", str(args.items)]
     for key, value in extra.items():
         cmd += [f"--{key.replace('_', '-')}", str(value)]
-    env = dict(os.environ)
-    if args.threads:
-        env["OMP_NUM_THREADS"] = str(args.threads)
+    env = child_env(peer=side != "tokenmind", **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}))
     out = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env,
                          cwd=os.path.dirname(os.path.abspath(__file__)))
     if out.returncode:

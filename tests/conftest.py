@@ -14,6 +14,8 @@ from pathlib import PurePosixPath
 
 import pytest
 
+import tokenmind  # noqa: F401  (before torch: the suite runs the MKL kernels users get, model/cpu.py)
+
 XDIST = "PYTEST_XDIST_WORKER" in os.environ
 if XDIST:
     # Before torch is imported anywhere: sets torch's own pool, and the subprocesses the tests start inherit it.

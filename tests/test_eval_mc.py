@@ -75,7 +75,12 @@ def test_batch_size_does_not_change_the_scores():
     model = random_model()
     one = evaluate_mc(model, ByteTokenizer(), "arc_challenge", items, batch_size=1)
     many = evaluate_mc(model, ByteTokenizer(), "arc_challenge", items, batch_size=16)
-    assert one["predictions"] == many["predictions"]
+    # the same choices; the log-likelihoods to float32 rounding (MKL's AVX2 kernels, which tokenmind selects on
+    # AMD CPUs, sum a call's last 1-3 rows in another order than its full blocks of 6)
+    drop = lambda p: {k: v for k, v in p.items() if k != "loglik"}  # noqa: E731
+    assert [drop(p) for p in one["predictions"]] == [drop(p) for p in many["predictions"]]
+    for a, b in zip(one["predictions"], many["predictions"], strict=True):
+        assert a["loglik"] == pytest.approx(b["loglik"], rel=1e-6)
 
 
 def test_continuation_ids_are_the_tail_of_the_whole_encoding():

@@ -12,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
+import tokenmind  # noqa: F401,I001  (before torch in the spawned ranks too: the same MKL kernels as this process)
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
@@ -161,7 +163,9 @@ def test_pipeline_parallel_matches_one_process(spawned) -> None:
     for name, grad in grads.items():
         for got in (first, last):
             if name in got["grads"]:  # the tied embedding on both stages, with the sum of both uses
-                torch.testing.assert_close(got["grads"][name], grad, atol=1e-5, rtol=1e-4, msg=name)
+                # gradients of the summed loss reach ~30: 1e-4 is a few millionths of that, float32 summation
+                # order (MKL's AVX2 kernels sum a call's last rows in another order than its full blocks)
+                torch.testing.assert_close(got["grads"][name], grad, atol=1e-4, rtol=1e-4, msg=name)
     assert first["grads"].keys() | last["grads"].keys() == grads.keys()
     norm = torch.nn.utils.get_total_norm(list(grads.values()))
     for got in (first, last):

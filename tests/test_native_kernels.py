@@ -132,7 +132,7 @@ def test_quantized_linears_decode_on_the_native_kernel(make, monkeypatch, fresh_
 
 def test_a_broken_compiler_warns_once_and_falls_back(monkeypatch, tmp_path, fresh_native):
     monkeypatch.setenv("TOKENMIND_CACHE", str(tmp_path))
-    monkeypatch.setattr(native, "_compiler", lambda: shutil.which("false"))  # a "compiler" that exits 1
+    monkeypatch.setattr(native, "find_compiler", lambda: shutil.which("false"))  # a "compiler" that exits 1
     if not native.usable_cpu():
         pytest.skip("the kernels need an x86-64 CPU with AVX2 and FMA")
     with pytest.warns(UserWarning, match="could not be built") as record:

@@ -8,7 +8,8 @@ The front door, as vLLM's is:
     print(llm.generate("The capital of France is", SamplingParams(max_tokens=8, temperature=0))[0].text)
 
 Names are imported on first use, so `import tokenmind` (and the CLI's start-up) does not pay for
-torch until something needs it.
+torch until something needs it. On AMD CPUs it first points MKL at its faster kernels
+(`model/cpu.py:take_mkl_intel_kernels`), which only works before torch is loaded.
 """
 
 from __future__ import annotations
@@ -16,7 +17,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from tokenmind.model.cpu import take_mkl_intel_kernels
+
 __version__ = "0.1.0"
+
+take_mkl_intel_kernels()  # before anything imports torch: MKL's fast fp32 kernels on AMD CPUs
 
 _EXPORTS = {
     # models

@@ -2,18 +2,73 @@
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import os
+import platform
+import sys
 from pathlib import Path
+
+from . import ccompile
+
+MKL_INTEL_PATH_SOURCE = Path(__file__).with_name("mkl_intel_path.c")
+
+
+@functools.cache
+def cpuinfo_field(name: str) -> str:
+    """The value of the first `name : value` line of /proc/cpuinfo ("" where there is none)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return next((line for line in lines if line.startswith(name)), "").partition(":")[2].strip()
 
 
 @functools.cache
 def cpu_flags() -> frozenset[str]:
     """The ISA flags /proc/cpuinfo lists for this CPU (empty where there is no such file)."""
+    return frozenset(cpuinfo_field("flags").split())
+
+
+def cpu_vendor() -> str:
+    """The vendor_id /proc/cpuinfo names ("GenuineIntel", "AuthenticAMD"), or "" where there is none."""
+    return cpuinfo_field("vendor_id")
+
+
+_mkl_intel_kernels = False
+
+
+def take_mkl_intel_kernels() -> bool:
+    """On AMD CPUs, have MKL run its Intel AVX2 / AVX-512 kernels for fp32 matmuls; whether they are taken.
+
+    Why: MKL picks kernels by vendor, and its AMD path is the slow one. On an AMD EPYC (Zen 3, 2 cores)
+    one thread's sgemm ran at 50-60 GFLOP/s on the stock path and 65-85 on the Intel path (the FMA
+    peak is ~90; benchmarks/bench_mkl_path.py), which every fp32 training step and prefill pays.
+    It works by loading `mkl_intel_path.c` before PyTorch (so `import tokenmind` calls it, before
+    torch is imported); once torch is loaded it is too late and this returns False.
+    `TOKENMIND_MKL_INTEL_PATH=0` keeps MKL's own choice.
+    """
+    global _mkl_intel_kernels
+    if _mkl_intel_kernels:
+        return True
+    if (os.environ.get("TOKENMIND_MKL_INTEL_PATH", "1") == "0" or "torch" in sys.modules
+            or platform.system() != "Linux" or platform.machine() != "x86_64" or cpu_vendor() != "AuthenticAMD"):
+        return False
+    compiler = ccompile.find_compiler()
+    if compiler is None:
+        return False
     try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return frozenset()
-    return frozenset(next((line for line in lines if line.startswith("flags")), "").partition(":")[2].split())
+        shim = ccompile.build(MKL_INTEL_PATH_SOURCE, compiler, ("-O2", "-shared", "-fPIC"))
+        ctypes.CDLL(str(shim), mode=ctypes.RTLD_GLOBAL)
+    except (OSError, RuntimeError):
+        return False  # MKL keeps its own choice: slower on AMD, never wrong
+    _mkl_intel_kernels = True
+    return True
+
+
+def mkl_intel_kernels_taken() -> bool:
+    """Whether this process loaded the shim of `take_mkl_intel_kernels` (benchmarks record it)."""
+    return _mkl_intel_kernels
 
 
 def cpu_has_native_bf16() -> bool:

@@ -2,8 +2,7 @@
 
 Why C and not a PyTorch extension: the file includes no PyTorch header, so it compiles in about a
 second (a `torch.utils.cpp_extension` build takes ~90 s on 2 cores), and the kernels take raw
-pointers. The library goes to `~/.cache/tokenmind/native/` under a name that hashes the source, the
-compiler's file identity and the flags, written to a temporary name and renamed. It is linked against OpenMP, which
+pointers. `ccompile` builds and caches it. It is linked against OpenMP, which
 resolves to the `libgomp.so.1` PyTorch has already loaded, so both share one thread pool.
 
 `available()` is false where the CPU lacks AVX2/FMA, no compiler works, or `TOKENMIND_NATIVE=0` is
@@ -17,56 +16,18 @@ from __future__ import annotations
 import array
 import ctypes
 import functools
-import hashlib
 import os
 import platform
-import shutil
-import subprocess
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
 
+from .ccompile import build, find_compiler
 from .cpu import cpu_flags
 
 SOURCE = Path(__file__).with_name("native_kernels.c")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("TOKENMIND_CACHE", Path.home() / ".cache" / "tokenmind")) / "native"
-
-
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-
-
-def _library_path(compiler: str) -> Path:
-    # The compiler's file identity stands for its version: no subprocess on every start (cold start counts).
-    real = os.path.realpath(compiler)
-    st = os.stat(real)
-    key = hashlib.sha256(SOURCE.read_bytes() + repr((real, st.st_size, st.st_mtime_ns, CFLAGS)).encode())
-    return cache_dir() / f"tokenmind_kernels-{key.hexdigest()[:16]}.so"
-
-
-def build(compiler: str) -> Path:
-    """Compile the kernels (if this source and compiler have not been built before); the library's path."""
-    target = _library_path(compiler)
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"{compiler} failed on {SOURCE.name}:\n{done.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
 
 
 def usable_cpu() -> bool:
@@ -79,13 +40,13 @@ def library() -> ctypes.CDLL | None:
     """The loaded kernels, or None where they cannot run here (reason in the one warning, if any)."""
     if os.environ.get("TOKENMIND_NATIVE", "1") == "0" or not usable_cpu():
         return None
-    compiler = _compiler()
+    compiler = find_compiler()
     if compiler is None:
         warnings.warn("no C compiler (cc/gcc) found: int4/int8 decode runs on PyTorch's slower kernels. "
                       "Install one (e.g. `apt install gcc`) or set TOKENMIND_NATIVE=0 to silence this.", stacklevel=2)
         return None
     try:
-        lib = ctypes.CDLL(str(build(compiler)))
+        lib = ctypes.CDLL(str(build(SOURCE, compiler, CFLAGS)))
     except (OSError, RuntimeError) as err:
         warnings.warn(f"the native kernels could not be built, so int4/int8 decode runs on PyTorch's kernels: {err}",
                       stacklevel=2)
