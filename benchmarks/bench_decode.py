@@ -23,6 +23,8 @@ noise hits all alike; medians are reported. Prints JSON.
 
 from __future__ import annotations
 
+import tokenmind  # noqa: F401  (before torch: MKL's Intel kernels on AMD CPUs, for both in-process sides)
+
 import argparse
 import json
 import statistics
