@@ -46,7 +46,8 @@ def probe(imports: str, **env: str) -> tuple[bool, str, float]:
 def test_importing_tokenmind_first_takes_the_intel_kernels_on_amd_cpus_only():
     taken, vendor_check, err = probe("import tokenmind")
     assert taken == TAKES_THEM_HERE
-    assert (vendor_check == "1") == TAKES_THEM_HERE
+    if TAKES_THEM_HERE:
+        assert vendor_check == "1"
     assert err < 1e-5
 
 
@@ -56,5 +57,6 @@ def test_importing_tokenmind_first_takes_the_intel_kernels_on_amd_cpus_only():
 def test_mkl_keeps_its_own_choice_after_torch_or_when_turned_off(imports, env):
     taken, vendor_check, err = probe(imports, **env)
     assert not taken
-    assert vendor_check != "1"
+    if cpu.cpu_vendor() == "AuthenticAMD":  # (an Intel CPU's own check says 1, wherever the linker finds it)
+        assert vendor_check != "1"
     assert err < 1e-5
