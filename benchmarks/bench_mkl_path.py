@@ -23,6 +23,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import emit, machine_info  # noqa: E402  (imports tokenmind before torch: where the kernels are chosen)
+
 SHAPES = [  # (m, k, n, what)
     (1568, 192, 576, "DiT qkv, batch 32"),
     (1568, 192, 768, "DiT MLP up"),
@@ -35,7 +38,6 @@ SHAPES = [  # (m, k, n, what)
 
 def side(threads: int, iters: int) -> dict:
     """One child's measurements: GFLOP/s per shape (median of `iters` calls), max relative error vs float64."""
-    import tokenmind  # noqa: F401  (before torch: this is where the kernel choice is made)
     import torch
     from tokenmind.model.cpu import mkl_intel_kernels_taken
 
@@ -57,9 +59,6 @@ def side(threads: int, iters: int) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _common import machine_info
-
     results = []
     for threads in args.threads:
         runs: dict[str, list[dict]] = {"stock": [], "intel": []}
@@ -96,9 +95,6 @@ def main() -> None:
     if args.side:
         print(json.dumps(side(args.side, args.iters)))
         return
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _common import emit
-
     emit(run(args), args.out)
 
 

@@ -42,8 +42,9 @@ def take_mkl_intel_kernels() -> bool:
     """On AMD CPUs, have MKL run its Intel AVX2 / AVX-512 kernels for fp32 matmuls; whether they are taken.
 
     Why: MKL picks kernels by vendor, and its AMD path is the slow one. On an AMD EPYC (Zen 3, 2 cores)
-    one thread's sgemm ran at 50-60 GFLOP/s on the stock path and 65-85 on the Intel path (the FMA
-    peak is ~90; benchmarks/bench_mkl_path.py), which every fp32 training step and prefill pays.
+    the Intel path ran six training / prefill matmul shapes 1.20x faster on one thread (e.g. 58 -> 78
+    GFLOP/s; the FMA peak is ~90) and 1.17x on two (benchmarks/bench_mkl_path.py): every fp32 training
+    step and prefill pays the difference.
     It works by loading `mkl_intel_path.c` before PyTorch (so `import tokenmind` calls it, before
     torch is imported); once torch is loaded it is too late and this returns False.
     `TOKENMIND_MKL_INTEL_PATH=0` keeps MKL's own choice.
