@@ -3,6 +3,8 @@
 import json
 import random
 
+import pytest
+
 from tokenmind.eval.chat_quality import load_chat_prompts
 from tokenmind.posttrain.chat_mix import (HeldOut, build_chat_mix, check_held_out, fact_documents, literature_text,
                                          normalize, template_chats)
@@ -17,6 +19,7 @@ def test_held_out_prompts_and_subjects_are_refused():
     held = HeldOut()
     assert not held.allows(chat("What is the capital of France?", "Paris."))
     assert not held.allows(chat("what is the CAPITAL of france", "Paris."))  # case and punctuation do not matter
+    assert not held.allows(chat("Can you name three days of the week?", "Monday, Tuesday and Friday."))  # holds one
     assert not held.allows(chat("Name France's capital city.", "Paris.", topic="capital", subject="France"))
     assert held.allows(chat("What is the capital of Spain?", "Madrid.", topic="capital", subject="Spain"))
     assert not held.allows(chat("What is a dog?", "An animal.", topic="definition", subject="dog"))
@@ -70,3 +73,57 @@ def test_facts_repeat_as_new_groupings_of_whole_sentences():
     assert len({d["id"] for d in out}) == len(out)
     many = fact_documents(literature_text(), repeats=3, rng=random.Random(0))
     assert len({d["text"] for d in many}) == len(many)  # no two groupings alike: dedup keeps them all
+
+
+def quiz(user, reply, subject, value):
+    return {**chat(user, reply, topic="capital", subject=subject), "meta": {"topic": "capital", "subject": subject,
+                                                                           "answer": value}}
+
+
+def test_quiz_answers_keep_the_preferred_word_order_where_a_subject_has_it():
+    from tokenmind.posttrain.chat_mix import prefer_answers, restates_subject
+
+    lima_last = quiz("What is the capital of Peru?", "The capital of Peru is Lima.", "Peru", "Lima")
+    lima_first = quiz("Name the capital of Peru.", "Lima is the capital of Peru.", "Peru", "Lima")
+    au = quiz("What is the chemical symbol for gold?", "The chemical symbol for gold is Au.", "gold", "Au")
+    assert restates_subject(lima_last) and not restates_subject(lima_first) and restates_subject(au)
+    assert restates_subject(quiz("What is the capital of Luxembourg?", "Luxembourg is the capital of Luxembourg.",
+                                 "Luxembourg", "Luxembourg"))
+    assert restates_subject(chat("Hello!", "Hello! How can I help?"))  # no subject: nothing to restate
+    chats = [lima_last, lima_first, au]
+    assert prefer_answers(chats, "all") == chats
+    assert prefer_answers(chats, "subject-first") == [lima_last, au]
+    assert prefer_answers(chats, "answer-first") == [lima_first, au]  # gold has no answer-first reply: kept
+    with pytest.raises(ValueError, match="answer-first"):
+        prefer_answers(chats, "first")
+
+
+def test_qa_documents_render_every_exchange_once_per_repeat_in_new_groupings():
+    from tokenmind.posttrain.chat_mix import qa_documents
+
+    chats = [chat(f"What is thing {i}?", f"Thing {i} is a thing.") for i in range(20)]
+    two_turns = {"id": "m", "messages": chats[0]["messages"] + chats[1]["messages"]}
+    docs = qa_documents([*chats, two_turns], repeats=2, rng=random.Random(0), per_doc=8)
+    text = "\n\n".join(d["text"] for d in docs)
+    assert len(docs) == 6 and len({d["id"] for d in docs}) == 6
+    assert all(text.count(f"Question: What is thing {i}?\nAnswer: Thing {i} is a thing.") == 2 for i in range(20))
+    assert docs[0]["text"] != docs[3]["text"]  # the second pass is shuffled anew
+    assert qa_documents(chats, repeats=0, rng=random.Random(0)) == []
+
+
+def test_the_mix_can_put_the_questions_into_pre_training_and_prefer_an_answer_order(tmp_path):
+    data = tmp_path / "data"
+    (data / "sft").mkdir(parents=True)
+    (data / "pretrain").mkdir()
+    with open(data / "sft" / "quiz-qa.jsonl", "w") as fh:
+        for c in [quiz("What is the capital of Spain?", "The capital of Spain is Madrid.", "Spain", "Madrid"),
+                  quiz("Name the capital of Spain.", "Madrid is the capital of Spain.", "Spain", "Madrid"),
+                  quiz("Which city is the capital of France?", "The capital of France is Paris.", "France", "Paris")]:
+            fh.write(json.dumps(c) + "\n")
+    counts = build_chat_mix(data, tmp_path / "mix", qa_repeats=2, quiz_answers="answer-first")
+    assert counts["sft/quiz-qa"] == 1  # Spain's subject-first reply and the held-out France are gone
+    pretrain = [json.loads(line)["text"] for line in open(tmp_path / "mix" / "pretrain" / "mix.jsonl")]
+    joined = "\n".join(pretrain)
+    assert joined.count("Question: Name the capital of Spain.\nAnswer: Madrid is the capital of Spain.") == 2
+    assert "The capital of Spain is Madrid" not in joined and "capital of France" not in joined
+    assert counts["pretrain/qa"] > 2 and check_held_out(tmp_path / "mix") == []

@@ -28,6 +28,19 @@ EVAL_DEFAULTS = {"tasks": ["val_loss", "arc_easy", "mmlu"], "limit": 200}
 
 
 @dataclass
+class ChatMixSection:
+    """How `posttrain.chat_mix.build_chat_mix` builds the chat mix (with `chat_mix: true`)."""
+
+    fact_repeats: int = 3  # the fact sentences, this many times over in pre-training
+    definition_repeats: int | None = None  # the common words' definitions: this many times (None: fact_repeats)
+    qa_repeats: int = 0  # the question-answer chats as text in pre-training, this many times over
+    quiz_answers: str = "all"  # the quiz answers' word order: all, subject-first or answer-first (`prefer_answers`)
+    multi_turn: int = 1500  # multi-turn conversations strung from the single exchanges
+    mc_limit: int = 1000  # multiple-choice chats, answered with a sentence
+    seed: int = 0
+
+
+@dataclass
 class SpeedrunConfig:
     """A named speedrun: which data, how big a tokenizer and model, how long each stage runs.
 
@@ -50,6 +63,7 @@ class SpeedrunConfig:
     val_tokens: int = 100_000  # the last documents of the corpus, at least this many tokens, held out
     quality_filters: bool = True  # Gopher's rules for web text; off for a curated corpus (the chat mix)
     chat_mix: bool = False  # pre-train and fine-tune on `posttrain.chat_mix` (built from the fetched sources)
+    mix: ChatMixSection = field(default_factory=ChatMixSection)
     chat_eval: bool = False  # score chat quality on the held-out prompts, at checkpoints and at the end
     chat_baseline: str | None = None  # earlier answers the final model is judged against (e.g. cpu_v1)
     chat_judge: str = "smollm2"  # the model that scores fluency and preference
@@ -148,7 +162,7 @@ def speedrun(cfg: SpeedrunConfig) -> Path:
         from .posttrain.chat_mix import build_chat_mix, check_held_out
 
         def mix():
-            counts = build_chat_mix(data, out / "mix")
+            counts = build_chat_mix(data, out / "mix", **asdict(cfg.mix))
             leaks = check_held_out(out / "mix")
             if leaks:
                 raise RuntimeError(f"held-out chat prompts reached the training mix: {leaks[:5]}")

@@ -131,11 +131,22 @@ class HeldOut:
         self.prompts = {normalize(it["prompt"]) for it in items}
         self.subjects = {(topic, normalize(it["subject"])) for it in items for topic in it.get("topics", ())}
 
+    def in_text(self, text: str) -> bool:
+        """Whether a document holds a held-out prompt of more than three words (shorter ones, such
+        as "Hello!", are everyday text)."""
+        norm = normalize(text)
+        return any(p in norm for p in self.prompts if len(p.split()) > 3)
+
+    def asks(self, question: str) -> bool:
+        """Whether a user turn is a held-out prompt, or holds one ("Can you name three days of the
+        week?" holds "Name three days of the week.")."""
+        return normalize(question) in self.prompts or self.in_text(question)
+
     def allows(self, chat: Record) -> bool:
         meta = chat.get("meta", {})
         if (meta.get("topic"), normalize(str(meta.get("subject", "")))) in self.subjects:
             return False
-        return not any(normalize(m["content"]) in self.prompts for m in chat["messages"] if m["role"] == "user")
+        return not any(self.asks(m["content"]) for m in chat["messages"] if m["role"] == "user")
 
 
 def _chat(chat_id: str, *turns: str) -> Record:
@@ -213,6 +224,54 @@ def fact_documents(docs: Iterable[Record], repeats: int, rng: random.Random, per
     return out
 
 
+def restates_subject(chat: Record) -> bool:
+    """Whether the answer names the question's subject before the answer itself ("The capital of Peru
+    is Lima.", not "Lima is the capital of Peru.")."""
+    meta = chat.get("meta", {})
+    answer, subject, value = chat["messages"][-1]["content"], str(meta.get("subject", "")), str(meta.get("answer", ""))
+    at_subject, at_value = answer.find(subject), answer.find(value)
+    return not subject or not value or at_subject < 0 or at_value < 0 or at_subject <= at_value
+
+
+def prefer_answers(chats: list[Record], order: str) -> list[Record]:
+    """Of each (topic, subject)'s quiz chats, those whose answer comes in `order` ("subject-first":
+    `restates_subject`; "answer-first": the answer before the subject), where it has any; "all" keeps
+    every chat.
+
+    Why it matters to a tiny model: "The capital of Peru is ..." asks it to copy "Peru" from the
+    question (a copying circuit, which a few hundred steps do not build), then complete a sentence it
+    read in pre-training; "Lima is ..." asks it to look "Peru" up in the question and recall the
+    answer at once, the lookup the fact sentences train."""
+    if order == "all":
+        return chats
+    if order not in ("subject-first", "answer-first"):
+        raise ValueError(f"quiz answer order {order!r}: use all, subject-first or answer-first")
+    groups: dict[tuple[str, str], list[Record]] = {}
+    for c in chats:
+        meta = c.get("meta", {})
+        groups.setdefault((str(meta.get("topic")), str(meta.get("subject"))), []).append(c)
+    keep = []
+    for group in groups.values():
+        preferred = [c for c in group if restates_subject(c) == (order == "subject-first")]
+        keep += preferred or group
+    return keep
+
+
+def qa_documents(chats: Iterable[Record], repeats: int, rng: random.Random, per_doc: int = 8) -> list[Record]:
+    """Single-turn chats as plain "Question: ... / Answer: ..." text, `repeats` times over in new
+    groupings, for pre-training: the model then practises answering from the question it reads
+    (copy the subject, complete the fact) for the whole run while it learns the facts, not only in
+    the short SFT stage, and later learns the chat template's form over a skill it has."""
+    pairs = [f"Question: {c['messages'][0]['content']}\nAnswer: {c['messages'][1]['content']}"
+             for c in chats if len(c["messages"]) == 2]
+    out = []
+    for r in range(repeats):
+        order = rng.sample(pairs, len(pairs))
+        out += [{"id": f"qa-{r}-{i // per_doc}", "text": "\n\n".join(order[i:i + per_doc])}
+                for i in range(0, len(order), per_doc)]
+    return out
+
+
 def multiple_choice_chats(records: Iterable[Record], limit: int, rng: random.Random) -> list[Record]:
     """Multiple-choice chats whose answer is a sentence ("The answer is B: ..."), not a bare letter."""
     out = []
@@ -247,10 +306,16 @@ def teacher_documents(kind: str) -> list[Record]:
 
 
 def build_chat_mix(data_dir: str | Path, out_dir: str | Path, mc_limit: int = 1000, fact_repeats: int = 3,
-                   multi_turn: int = 1500, seed: int = 0) -> dict[str, Any]:
+                   multi_turn: int = 1500, qa_repeats: int = 0, quiz_answers: str = "all",
+                   definition_repeats: int | None = None, seed: int = 0) -> dict[str, Any]:
     """Write `out_dir/pretrain/mix.jsonl` and `out_dir/sft/*.jsonl` from the fetched sources in
     `data_dir` (`chat-pretrain`, `chat-sft` and the multiple-choice train sets) and the teacher's
-    packaged sets, the facts `fact_repeats` times over; return the counts per source."""
+    packaged sets, the facts `fact_repeats` times over (the common words' definitions
+    `definition_repeats` times, if given); return the counts per source.
+
+    qa_repeats > 0 also puts the question-answer chats (templates, quiz QA, definitions) into
+    pre-training as text, that many times over (`qa_documents`); quiz_answers picks the quiz answers'
+    word order (`prefer_answers`)."""
     data, out, rng, held = Path(data_dir), Path(out_dir), random.Random(seed), HeldOut()
     counts: dict[str, int] = {}
     facts = {"literature": literature_text()}
@@ -258,15 +323,16 @@ def build_chat_mix(data_dir: str | Path, out_dir: str | Path, mc_limit: int = 10
         if (data / "pretrain" / f"{name}.jsonl").is_file():
             facts[name] = read_jsonl(data / "pretrain" / f"{name}.jsonl")
     prose = {"stories": teacher_documents("stories"), "explanations": teacher_documents("explanations")}
-    kept = {name: [d for d in docs if not any(p in normalize(d["text"]) for p in held.prompts if len(p.split()) > 3)]
-            for name, docs in {**facts, **prose}.items()}
+    kept = {name: [d for d in docs if not held.in_text(d["text"])] for name, docs in {**facts, **prose}.items()}
     counts.update({f"pretrain/{name}": len(docs) for name, docs in kept.items()})
-    fact_docs = fact_documents([d for name in facts for d in kept[name]], fact_repeats, rng)
+    if definition_repeats is None or definition_repeats == fact_repeats:
+        fact_docs = fact_documents([d for name in facts for d in kept[name]], fact_repeats, rng)
+    else:  # the 3,000 definitions weigh twice the other facts: they may be repeated less than the rest
+        fact_docs = (fact_documents([d for name in facts if name != "wordnet-common" for d in kept[name]],
+                                    fact_repeats, rng)
+                     + fact_documents(kept.get("wordnet-common", []), definition_repeats, rng))
     prose_docs = [d for name in prose for d in kept[name]]
     rng.shuffle(prose_docs)
-    # facts first, the teacher's prose after them: the validation split takes the corpus's last
-    # documents, and must not take away facts the held-out prompts ask about
-    counts["pretrain/documents"] = write_jsonl(out / "pretrain" / "mix.jsonl", fact_docs + prose_docs)
     sft = {"templates": list(template_chats(rng)), "teacher-answers": teacher_chats("answers"),
            "teacher-explanations": teacher_chats("explanations")}
     for name in ("quiz-qa", "wordnet-definitions"):
@@ -275,9 +341,17 @@ def build_chat_mix(data_dir: str | Path, out_dir: str | Path, mc_limit: int = 10
     mc = [r for name in ("arc-easy-train", "openbookqa-train") if (data / "sft" / f"{name}.jsonl").is_file()
           for r in read_jsonl(data / "sft" / f"{name}.jsonl")]
     sft = {name: [c for c in chats if held.allows(c)] for name, chats in sft.items()}
+    if "quiz-qa" in sft:
+        sft["quiz-qa"] = prefer_answers(sft["quiz-qa"], quiz_answers)
     single = [c for chats in sft.values() for c in chats if len(c["messages"]) == 2]
     sft["multi-turn"] = multi_turn_chats(single, multi_turn, rng)
     sft["multiple-choice"] = [c for c in multiple_choice_chats(mc, mc_limit, rng) if held.allows(c)]
+    qa_docs = qa_documents([c for name in ("templates", "quiz-qa", "wordnet-definitions") for c in sft.get(name, [])],
+                           qa_repeats, random.Random(seed + 1))
+    counts["pretrain/qa"] = len(qa_docs)
+    # facts and QA first, the teacher's prose after them: the validation split takes the corpus's
+    # last documents, and must not take away facts the held-out prompts ask about
+    counts["pretrain/documents"] = write_jsonl(out / "pretrain" / "mix.jsonl", fact_docs + qa_docs + prose_docs)
     for name, chats in sft.items():
         counts[f"sft/{name}"] = write_jsonl(out / "sft" / f"{name}.jsonl", chats)
     return counts
@@ -289,9 +363,6 @@ def check_held_out(mix_dir: str | Path) -> list[str]:
     for path in sorted(Path(mix_dir).rglob("*.jsonl")):
         for r in read_jsonl(path):
             texts = [m["content"] for m in r["messages"] if m["role"] == "user"] if "messages" in r else [r["text"]]
-            for text in texts:
-                norm = normalize(text)
-                if ("messages" in r and norm in held.prompts) or (
-                        "messages" not in r and any(p in norm for p in held.prompts if len(p.split()) > 3)):
-                    found.append(f"{path.name}:{r['id']}")
+            if any(held.asks(t) if "messages" in r else held.in_text(t) for t in texts):
+                found.append(f"{path.name}:{r['id']}")
     return found
