@@ -216,10 +216,16 @@ def fact_documents(docs: Iterable[Record], repeats: int, rng: random.Random, per
     so exact and near dedup keep them, and no fact always follows the same neighbour."""
     sentences = [s for d in docs for line in d["text"].splitlines() for s in SENTENCE_END.split(line.strip())
                  if s[-1:] in ".!?"]
+    return regrouped(sentences, repeats, rng, per_doc, "facts", " ")
+
+
+def regrouped(pieces: list[str], repeats: int, rng: random.Random, per_doc: int, name: str,
+              joiner: str) -> list[Record]:
+    """`pieces` `repeats` times over, each time shuffled anew and joined `per_doc` to a document."""
     out = []
     for r in range(repeats):
-        order = rng.sample(sentences, len(sentences))
-        out += [{"id": f"facts-{r}-{i // per_doc}", "text": " ".join(order[i:i + per_doc])}
+        order = rng.sample(pieces, len(pieces))
+        out += [{"id": f"{name}-{r}-{i // per_doc}", "text": joiner.join(order[i:i + per_doc])}
                 for i in range(0, len(order), per_doc)]
     return out
 
@@ -238,10 +244,10 @@ def prefer_answers(chats: list[Record], order: str) -> list[Record]:
     `restates_subject`; "answer-first": the answer before the subject), where it has any; "all" keeps
     every chat.
 
-    Why it matters to a tiny model: "The capital of Peru is ..." asks it to copy "Peru" from the
-    question (a copying circuit, which a few hundred steps do not build), then complete a sentence it
-    read in pre-training; "Lima is ..." asks it to look "Peru" up in the question and recall the
-    answer at once, the lookup the fact sentences train."""
+    The two ask different things of a tiny model: "The capital of Peru is ..." has it copy "Peru" from
+    the question, then complete a sentence it read in pre-training; "Lima is ..." has it look "Peru"
+    up in the question and recall the answer at once. At the AVX2 speedrun budget neither was
+    learnt (docs/data.md: answer-first with the 7M model scored as without it)."""
     if order == "all":
         return chats
     if order not in ("subject-first", "answer-first"):
@@ -259,17 +265,12 @@ def prefer_answers(chats: list[Record], order: str) -> list[Record]:
 
 def qa_documents(chats: Iterable[Record], repeats: int, rng: random.Random, per_doc: int = 8) -> list[Record]:
     """Single-turn chats as plain "Question: ... / Answer: ..." text, `repeats` times over in new
-    groupings, for pre-training: the model then practises answering from the question it reads
-    (copy the subject, complete the fact) for the whole run while it learns the facts, not only in
-    the short SFT stage, and later learns the chat template's form over a skill it has."""
+    groupings, for pre-training: the model then practises answering from the question it reads for
+    the whole run while it learns the facts, not only in the short SFT stage, which then teaches
+    the chat template's form over a skill the model has."""
     pairs = [f"Question: {c['messages'][0]['content']}\nAnswer: {c['messages'][1]['content']}"
              for c in chats if len(c["messages"]) == 2]
-    out = []
-    for r in range(repeats):
-        order = rng.sample(pairs, len(pairs))
-        out += [{"id": f"qa-{r}-{i // per_doc}", "text": "\n\n".join(order[i:i + per_doc])}
-                for i in range(0, len(order), per_doc)]
-    return out
+    return regrouped(pairs, repeats, rng, per_doc, "qa", "\n\n")
 
 
 def multiple_choice_chats(records: Iterable[Record], limit: int, rng: random.Random) -> list[Record]:
