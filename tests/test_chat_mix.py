@@ -6,8 +6,8 @@ import random
 import pytest
 
 from tokenmind.eval.chat_quality import load_chat_prompts
-from tokenmind.posttrain.chat_mix import (HeldOut, build_chat_mix, check_held_out, fact_documents, literature_text,
-                                         normalize, template_chats)
+from tokenmind.posttrain.chat_mix import (ChatMixConfig, HeldOut, build_chat_mix, check_held_out, fact_documents,
+                                         literature_text, normalize, template_chats)
 
 
 def chat(user, answer, **meta):
@@ -120,7 +120,7 @@ def test_the_mix_can_put_the_questions_into_pre_training_and_prefer_an_answer_or
                   quiz("Name the capital of Spain.", "Madrid is the capital of Spain.", "Spain", "Madrid"),
                   quiz("Which city is the capital of France?", "The capital of France is Paris.", "France", "Paris")]:
             fh.write(json.dumps(c) + "\n")
-    counts = build_chat_mix(data, tmp_path / "mix", qa_repeats=2, quiz_answers="answer-first")
+    counts = build_chat_mix(data, tmp_path / "mix", ChatMixConfig(qa_repeats=2, quiz_answers="answer-first"))
     assert counts["sft/quiz-qa"] == 1  # Spain's subject-first reply and the held-out France are gone
     pretrain = [json.loads(line)["text"] for line in open(tmp_path / "mix" / "pretrain" / "mix.jsonl")]
     joined = "\n".join(pretrain)

@@ -19,25 +19,13 @@ from typing import Any
 
 from .config import Overrides, build_config, read_config, save_resolved
 from .eval.runner import EvalConfig
+from .posttrain.chat_mix import ChatMixConfig
 from .posttrain.sft import SFTConfig
 from .progress import Stages
 from .train.config import DataSection, RunConfig, TrainSection
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 EVAL_DEFAULTS = {"tasks": ["val_loss", "arc_easy", "mmlu"], "limit": 200}
-
-
-@dataclass
-class ChatMixSection:
-    """How `posttrain.chat_mix.build_chat_mix` builds the chat mix (with `chat_mix: true`)."""
-
-    fact_repeats: int = 3  # the fact sentences, this many times over in pre-training
-    definition_repeats: int | None = None  # the common words' definitions: this many times (None: fact_repeats)
-    qa_repeats: int = 0  # the question-answer chats as text in pre-training, this many times over
-    quiz_answers: str = "all"  # the quiz answers' word order: all, subject-first or answer-first (`prefer_answers`)
-    multi_turn: int = 1500  # multi-turn conversations strung from the single exchanges
-    mc_limit: int = 1000  # multiple-choice chats, answered with a sentence
-    seed: int = 0
 
 
 @dataclass
@@ -63,7 +51,7 @@ class SpeedrunConfig:
     val_tokens: int = 100_000  # the last documents of the corpus, at least this many tokens, held out
     quality_filters: bool = True  # Gopher's rules for web text; off for a curated corpus (the chat mix)
     chat_mix: bool = False  # pre-train and fine-tune on `posttrain.chat_mix` (built from the fetched sources)
-    mix: ChatMixSection = field(default_factory=ChatMixSection)
+    mix: ChatMixConfig = field(default_factory=ChatMixConfig)  # how the chat mix is built
     chat_eval: bool = False  # score chat quality on the held-out prompts, at checkpoints and at the end
     chat_baseline: str | None = None  # earlier answers the final model is judged against (e.g. cpu_v1)
     chat_judge: str = "smollm2"  # the model that scores fluency and preference
@@ -162,7 +150,7 @@ def speedrun(cfg: SpeedrunConfig) -> Path:
         from .posttrain.chat_mix import build_chat_mix, check_held_out
 
         def mix():
-            counts = build_chat_mix(data, out / "mix", **asdict(cfg.mix))
+            counts = build_chat_mix(data, out / "mix", cfg.mix)
             leaks = check_held_out(out / "mix")
             if leaks:
                 raise RuntimeError(f"held-out chat prompts reached the training mix: {leaks[:5]}")

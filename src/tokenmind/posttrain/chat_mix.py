@@ -23,6 +23,7 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -306,18 +307,25 @@ def teacher_documents(kind: str) -> list[Record]:
     return [{"id": f"{kind}-{r['id']}", "text": r["response"]} for r in load_synthetic(corpus_path(kind))]
 
 
-def build_chat_mix(data_dir: str | Path, out_dir: str | Path, mc_limit: int = 1000, fact_repeats: int = 3,
-                   multi_turn: int = 1500, qa_repeats: int = 0, quiz_answers: str = "all",
-                   definition_repeats: int | None = None, seed: int = 0) -> dict[str, Any]:
+@dataclass
+class ChatMixConfig:
+    """How `build_chat_mix` builds the mix (the speedrun config's `mix:` section)."""
+
+    fact_repeats: int = 3  # the fact sentences, this many times over in pre-training
+    definition_repeats: int | None = None  # the 3,000 common words' definitions: this many times (None: fact_repeats)
+    qa_repeats: int = 0  # the question-answer chats as text in pre-training (`qa_documents`), this many times over
+    quiz_answers: str = "all"  # the quiz answers' word order: all, subject-first or answer-first (`prefer_answers`)
+    multi_turn: int = 1500  # multi-turn conversations strung from the single exchanges
+    mc_limit: int = 1000  # multiple-choice chats, answered with a sentence
+    seed: int = 0
+
+
+def build_chat_mix(data_dir: str | Path, out_dir: str | Path, cfg: ChatMixConfig | None = None) -> dict[str, Any]:
     """Write `out_dir/pretrain/mix.jsonl` and `out_dir/sft/*.jsonl` from the fetched sources in
     `data_dir` (`chat-pretrain`, `chat-sft` and the multiple-choice train sets) and the teacher's
-    packaged sets, the facts `fact_repeats` times over (the common words' definitions
-    `definition_repeats` times, if given); return the counts per source.
-
-    qa_repeats > 0 also puts the question-answer chats (templates, quiz QA, definitions) into
-    pre-training as text, that many times over (`qa_documents`); quiz_answers picks the quiz answers'
-    word order (`prefer_answers`)."""
-    data, out, rng, held = Path(data_dir), Path(out_dir), random.Random(seed), HeldOut()
+    packaged sets, as `cfg` says; return the counts per source."""
+    cfg = cfg or ChatMixConfig()
+    data, out, rng, held = Path(data_dir), Path(out_dir), random.Random(cfg.seed), HeldOut()
     counts: dict[str, int] = {}
     facts = {"literature": literature_text()}
     for name in ("quiz-facts", "wordnet-common"):
@@ -326,12 +334,10 @@ def build_chat_mix(data_dir: str | Path, out_dir: str | Path, mc_limit: int = 10
     prose = {"stories": teacher_documents("stories"), "explanations": teacher_documents("explanations")}
     kept = {name: [d for d in docs if not held.in_text(d["text"])] for name, docs in {**facts, **prose}.items()}
     counts.update({f"pretrain/{name}": len(docs) for name, docs in kept.items()})
-    if definition_repeats is None or definition_repeats == fact_repeats:
-        fact_docs = fact_documents([d for name in facts for d in kept[name]], fact_repeats, rng)
-    else:  # the 3,000 definitions weigh twice the other facts: they may be repeated less than the rest
-        fact_docs = (fact_documents([d for name in facts if name != "wordnet-common" for d in kept[name]],
-                                    fact_repeats, rng)
-                     + fact_documents(kept.get("wordnet-common", []), definition_repeats, rng))
+    definitions = cfg.fact_repeats if cfg.definition_repeats is None else cfg.definition_repeats
+    fact_docs = (fact_documents([d for name in facts if name != "wordnet-common" for d in kept[name]],
+                                cfg.fact_repeats, rng)
+                 + fact_documents(kept.get("wordnet-common", []), definitions, rng))
     prose_docs = [d for name in prose for d in kept[name]]
     rng.shuffle(prose_docs)
     sft = {"templates": list(template_chats(rng)), "teacher-answers": teacher_chats("answers"),
@@ -343,12 +349,12 @@ def build_chat_mix(data_dir: str | Path, out_dir: str | Path, mc_limit: int = 10
           for r in read_jsonl(data / "sft" / f"{name}.jsonl")]
     sft = {name: [c for c in chats if held.allows(c)] for name, chats in sft.items()}
     if "quiz-qa" in sft:
-        sft["quiz-qa"] = prefer_answers(sft["quiz-qa"], quiz_answers)
+        sft["quiz-qa"] = prefer_answers(sft["quiz-qa"], cfg.quiz_answers)
     single = [c for chats in sft.values() for c in chats if len(c["messages"]) == 2]
-    sft["multi-turn"] = multi_turn_chats(single, multi_turn, rng)
-    sft["multiple-choice"] = [c for c in multiple_choice_chats(mc, mc_limit, rng) if held.allows(c)]
+    sft["multi-turn"] = multi_turn_chats(single, cfg.multi_turn, rng)
+    sft["multiple-choice"] = [c for c in multiple_choice_chats(mc, cfg.mc_limit, rng) if held.allows(c)]
     qa_docs = qa_documents([c for name in ("templates", "quiz-qa", "wordnet-definitions") for c in sft.get(name, [])],
-                           qa_repeats, random.Random(seed + 1))
+                           cfg.qa_repeats, random.Random(cfg.seed + 1))
     counts["pretrain/qa"] = len(qa_docs)
     # facts and QA first, the teacher's prose after them: the validation split takes the corpus's
     # last documents, and must not take away facts the held-out prompts ask about
