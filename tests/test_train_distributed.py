@@ -79,8 +79,8 @@ def test_two_ranks_match_one_process_with_the_same_global_batch(tmp_path: Path) 
     assert len(single) == 4
     assert losses(tmp_path / "ddp") == pytest.approx(single, abs=1e-5)
     assert losses(tmp_path / "fsdp") == pytest.approx(single, abs=1e-5)
-    # Muon orthogonalizes in bf16, where float noise in the averaged gradient flips a few roundings
-    # (measured: 1.3e-4 by step 3); orthogonalizing each shard alone instead of the whole matrix: 3.4e-3.
+    # Float noise in the averaged gradient shifts Muon's orthogonalization a little (measured in bf16:
+    # 1.3e-4 by step 3); orthogonalizing each shard alone instead of the whole matrix: 3.4e-3.
     assert losses(tmp_path / "fsdp_muon") == pytest.approx(single_muon, abs=5e-4)
     assert losses(tmp_path / "fsdp_resumed") == pytest.approx(losses(tmp_path / "fsdp"), abs=1e-6)
     # each MTP depth sharded on its own; its loss is a sum over tokens, so ranks add up to one process

@@ -75,6 +75,25 @@ def test_newton_schulz_pushes_singular_values_to_one(shape: tuple[int, int]) -> 
     assert cosine > 0.98  # it is the polar factor U·Vᵀ, approximately
 
 
+def test_newton_schulz_runs_in_fp32_where_bf16_is_emulated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each iteration maps every singular value through the quintic, so the output's singular values
+    are the input's (over its norm) sent through it 5 times. In fp32 they match that scalar map closely;
+    bf16 (kept for CUDA and AMX, 30x slower than fp32 on a CPU that emulates it) misses by ~1e-2."""
+    from tokenmind.train import optim
+
+    m = spread_matrix(24, 40)
+    sigma = torch.linalg.svdvals(m.double()) / m.double().norm()
+    a, b, c = optim._NS_COEFFICIENTS
+    for _ in range(5):
+        sigma = a * sigma + b * sigma**3 + c * sigma**5
+    sigma = sigma.sort().values  # the map is not monotonic
+    monkeypatch.setattr(optim, "fastest_autocast", lambda device_type: "fp32")
+    assert torch.linalg.svdvals(orthogonalize(m)).double().sort().values == pytest.approx(sigma.tolist(), abs=1e-4)
+    monkeypatch.setattr(optim, "fastest_autocast", lambda device_type: "bf16")
+    bf16_error = (torch.linalg.svdvals(orthogonalize(m)).double().sort().values - sigma).abs().max()
+    assert bf16_error > 1e-3
+
+
 def test_muon_update_is_orthogonal_and_scaled() -> None:
     p = torch.nn.Parameter(torch.zeros(64, 32))
     optimizer = Muon([dict(params=[p], use_muon=True, lr=0.1, momentum=0.0)])
