@@ -6,8 +6,8 @@ import random
 import pytest
 
 from tokenmind.eval.chat_quality import load_chat_prompts
-from tokenmind.posttrain.chat_mix import (ChatMixConfig, HeldOut, build_chat_mix, check_held_out, fact_documents,
-                                         literature_text, normalize, template_chats)
+from tokenmind.posttrain.chat_mix import (LITERATURE, ChatMixConfig, HeldOut, build_chat_mix, check_held_out,
+                                         fact_documents, literature_text, normalize, template_chats)
 
 
 def chat(user, answer, **meta):
@@ -127,3 +127,24 @@ def test_the_mix_can_put_the_questions_into_pre_training_and_prefer_an_answer_or
     assert joined.count("Question: Name the capital of Spain.\nAnswer: Madrid is the capital of Spain.") == 2
     assert "The capital of Spain is Madrid" not in joined and "capital of France" not in joined
     assert counts["pretrain/qa"] > 2 and check_held_out(tmp_path / "mix") == []
+
+
+def test_template_repeats_add_fresh_rounds_to_sft_only(tmp_path):
+    data = tmp_path / "data"
+    (data / "sft").mkdir(parents=True)
+    once = build_chat_mix(data, tmp_path / "once")
+    thrice = build_chat_mix(data, tmp_path / "thrice", ChatMixConfig(template_repeats=3))
+    # a fresh round may phrase a question as a held-out prompt does ("Who wrote Romeo and Juliet?"): dropped
+    assert 3 * once["sft/templates"] - len(LITERATURE) <= thrice["sft/templates"] <= 3 * once["sft/templates"]
+    rows = [json.loads(line) for line in open(tmp_path / "thrice" / "sft" / "templates.jsonl")]
+    assert len({r["id"] for r in rows}) == len(rows)
+    first, later = rows[:once["sft/templates"]], rows[once["sft/templates"]:]
+    template_ids = {c["id"] for c in template_chats(random.Random(0))}
+    assert {r["id"].rsplit("-r", 1)[0] for r in later} <= template_ids
+    replies = lambda chats: [r["messages"][1]["content"] for r in chats]  # noqa: E731
+    assert replies(later[:len(first)]) != replies(first)  # drawn afresh: other replies, other list items
+    for part in ("pretrain/mix.jsonl", "sft/multi-turn.jsonl", "sft/multiple-choice.jsonl"):
+        assert (tmp_path / "once" / part).read_text() == (tmp_path / "thrice" / part).read_text()
+    assert check_held_out(tmp_path / "thrice") == []
+    with pytest.raises(ValueError, match="template_repeats"):
+        ChatMixConfig(template_repeats=0)

@@ -297,6 +297,15 @@ def multi_turn_chats(chats: list[Record], count: int, rng: random.Random, max_tu
     return out
 
 
+def repeated_templates(chats: list[Record], repeats: int, seed: int) -> list[Record]:
+    """`chats` (the templates) and `repeats - 1` more rounds, each drawn afresh (other replies, other
+    list items). A few hundred exchanges that teach greetings, identity and instructions are a tenth
+    of the SFT set; a budgeted SFT looks at each under once unless they come round again."""
+    more = [{**c, "id": f"{c['id']}-r{k}"} for k in range(1, repeats)
+            for c in template_chats(random.Random(seed * 1000 + k))]
+    return chats + more
+
+
 def teacher_chats(kind: str) -> list[Record]:
     """The teacher's answers (or explanations) as single-turn chats."""
     return [_chat(f"{kind}-{r['id']}", r.get("question", r["prompt"]), r["response"])
@@ -315,9 +324,15 @@ class ChatMixConfig:
     definition_repeats: int | None = None  # the 3,000 common words' definitions: this many times (None: fact_repeats)
     qa_repeats: int = 0  # the question-answer chats as text in pre-training (`qa_documents`), this many times over
     quiz_answers: str = "all"  # the quiz answers' word order: all, subject-first or answer-first (`prefer_answers`)
+    template_repeats: int = 1  # the template chats in SFT, this many times over (`repeated_templates`)
     multi_turn: int = 1500  # multi-turn conversations strung from the single exchanges
     mc_limit: int = 1000  # multiple-choice chats, answered with a sentence
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.template_repeats < 1:
+            raise ValueError(f"mix.template_repeats must be >= 1 (1 = each template chat once), "
+                             f"got {self.template_repeats}")
 
 
 def build_chat_mix(data_dir: str | Path, out_dir: str | Path, cfg: ChatMixConfig | None = None) -> dict[str, Any]:
@@ -355,6 +370,9 @@ def build_chat_mix(data_dir: str | Path, out_dir: str | Path, cfg: ChatMixConfig
     sft["multiple-choice"] = [c for c in multiple_choice_chats(mc, cfg.mc_limit, rng) if held.allows(c)]
     qa_docs = qa_documents([c for name in ("templates", "quiz-qa", "wordnet-definitions") for c in sft.get(name, [])],
                            cfg.qa_repeats, random.Random(cfg.seed + 1))
+    # more rounds of the templates for SFT alone: the multi-turn chats and the pre-training text keep one
+    sft["templates"] = [c for c in repeated_templates(sft["templates"], cfg.template_repeats, cfg.seed)
+                        if held.allows(c)]
     counts["pretrain/qa"] = len(qa_docs)
     # facts and QA first, the teacher's prose after them: the validation split takes the corpus's
     # last documents, and must not take away facts the held-out prompts ask about
