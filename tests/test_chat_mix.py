@@ -148,3 +148,27 @@ def test_template_repeats_add_fresh_rounds_to_sft_only(tmp_path):
     assert check_held_out(tmp_path / "thrice") == []
     with pytest.raises(ValueError, match="template_repeats"):
         ChatMixConfig(template_repeats=0)
+
+
+def test_fact_replay_puts_the_facts_into_sft_as_plain_text(tmp_path):
+    data = tmp_path / "data"
+    (data / "pretrain").mkdir(parents=True)
+    facts = ["The capital of France is Paris.", "The chemical symbol for gold is Au."]
+    (data / "pretrain" / "quiz-facts.jsonl").write_text(json.dumps({"id": "f", "text": " ".join(facts)}) + "\n")
+    (data / "pretrain" / "wordnet-common.jsonl").write_text(
+        json.dumps({"id": "w", "text": "A dog is a domestic animal."}) + "\n")
+    none = build_chat_mix(data, tmp_path / "none")
+    twice = build_chat_mix(data, tmp_path / "twice", ChatMixConfig(fact_replay=2))
+    assert "sft/replay" not in none and not (tmp_path / "none" / "sft" / "replay.jsonl").exists()
+    rows = [json.loads(line) for line in open(tmp_path / "twice" / "sft" / "replay.jsonl")]
+    assert len(rows) == twice["sft/replay"] and all(set(r) == {"id", "text"} for r in rows)
+    text = " ".join(r["text"] for r in rows)
+    for sentence in [*facts, "A dog is a domestic animal.", "Jane Austen wrote the novel Emma."]:
+        assert text.count(sentence) == 2, sentence  # the facts, the definitions and the books, twice each
+    for part in ("pretrain/mix.jsonl", "sft/templates.jsonl", "sft/multi-turn.jsonl"):  # the rest as without it
+        assert (tmp_path / "none" / part).read_text() == (tmp_path / "twice" / part).read_text()
+    assert check_held_out(tmp_path / "twice") == []
+    with pytest.raises(ValueError, match="fact_replay"):
+        ChatMixConfig(fact_replay=-1)
+
+

@@ -141,7 +141,7 @@ def test_speedrun_sections_are_typed_and_wired(tmp_path: Path) -> None:
     # the resolved speedrun.yaml holds every stage's whole config and loads back to the same one
     assert load_speedrun_config(str(save_resolved(cfg, tmp_path / "speedrun.yaml"))) == cfg
     packaged = load_speedrun_config("cpu")
-    assert packaged.pretrain.train.steps == 800 and packaged.eval.tasks == ["val_loss", "arc_easy", "hellaswag", "mmlu"]
+    assert packaged.pretrain.train.steps == 800 and packaged.eval.tasks == ["val_loss", "arc_easy", "hellaswag", "mmlu", "induction"]
 
 
 @pytest.mark.parametrize("overrides, message", [

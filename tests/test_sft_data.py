@@ -72,6 +72,23 @@ def test_collated_targets_are_exactly_the_assistant_tokens(tok: Tokenizer) -> No
     assert seen == len(chats)
 
 
+def test_plain_documents_are_trained_on_every_token(tok: Tokenizer, tmp_path: Path) -> None:
+    """A {"text"} line (pre-training replay) is its tokens and eos, every next token a target,
+    beside conversations whose targets stay the assistant's alone."""
+    chat = conversations(repeats=1)[0]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text(json.dumps({"messages": chat}) + "\n" + json.dumps({"text": "the cat sat on the mat"}) + "\n")
+    read = read_conversations([path])
+    assert read[1] == "the cat sat on the mat"
+    data = prepare_chat_data(tok, read, SEQ)
+    ids = tok.encode("the cat sat on the mat") + [tok.eos_token_id]
+    doc = next(e for e in data.train if e.inputs.tolist() == ids)
+    assert doc.targets.tolist() == ids[1:] + [IGNORE_INDEX]
+    talk = next(e for e in data.train if e is not doc)
+    assert (talk.targets == IGNORE_INDEX).sum() > 1  # the user turn and template glue stay context
+    assert data.stats["train_trained_tokens"] == len(ids) - 1 + int((talk.targets != IGNORE_INDEX).sum())
+
+
 def test_only_assistant_targets_move_the_loss(tok: Tokenizer, model: Transformer) -> None:
     ids, mask = tok.render_chat(conversations(repeats=1)[0])  # system, user, assistant
     inputs = to_example(ids, mask, SEQ).inputs
@@ -180,7 +197,8 @@ def test_files_folders_and_globs_and_bad_lines(tmp_path: Path) -> None:
     for line, message in [
         ("not json", r"x.jsonl:2: not JSON"),
         ("[1, 2]", r"x.jsonl:2: not a JSON object"),
-        ('{"text": "hi"}', r'x.jsonl:2: needs "messages"'),
+        ('{"text": ""}', r'x.jsonl:2: needs "messages"'),
+        ('{"id": 3}', r'x.jsonl:2: needs "messages"'),
         ('{"messages": [{"role": "bot", "content": "hi"}]}', r"x.jsonl:2: bad message .* each needs a role"),
         ('{"messages": [{"role": "user", "content": "hi"}]}', r"x.jsonl:2: no assistant message"),
     ]:

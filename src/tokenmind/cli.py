@@ -1037,7 +1037,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "are scored by log-likelihood, GSM8K and HumanEval by greedy generation.",
                        epilog="tasks: arc_easy, arc_challenge, hellaswag, piqa, openbookqa, winogrande, mmlu "
                               "(cloze), mmlu_mc (lettered), gsm8k, humaneval, val_loss (needs --shards-dir), "
-                              "perplexity (needs --text-file).  Example: tokenmind eval --model smollm2 "
+                              "perplexity (needs --text-file), induction (does the model copy a repeated random token run; "
+                              "no data).  Example: tokenmind eval --model smollm2 "
                               "--tasks arc_easy,hellaswag --limit 200 --out results.json. A --config YAML file "
                               "holds the same settings as EvalConfig fields (model, tasks, limit, data_dir, ...); "
                               "flags given with it override it.")

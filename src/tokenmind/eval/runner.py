@@ -6,7 +6,8 @@ Tasks read the JSONL files `tokenmind data fetch eval` writes to `data/eval/` (s
 `tokenmind.data.sources` for their schemas): multiple choice by log-likelihood
 (`multiple_choice.py`), GSM8K by generation (`generative.py`), HumanEval by running tests
 (`code.py`), and loss / perplexity / bits per byte on a token-shard val split (`val_loss`) or a
-text file (`perplexity`) (`perplexity.py`). Every data file is opened before the model is loaded,
+text file (`perplexity`) (`perplexity.py`), and in-context copying on random token runs (`induction`,
+`induction.py`). Every data file is opened before the model is loaded,
 so a missing one fails in a second, not after a minute of loading.
 
 `limit` scores a seeded random sample of that many items, not the first ones: the files are
@@ -31,6 +32,7 @@ from ..model.load import Pretrained, load_model, quantization_setting
 from .chat_quality import evaluate_chat, load_baseline
 from .code import evaluate_humaneval
 from .generative import default_fewshot, evaluate_gsm8k
+from .induction import evaluate_induction
 from .multiple_choice import FORMATS, evaluate_mc, num_choices
 from .perplexity import evaluate_lm, shard_val_loss
 
@@ -38,12 +40,12 @@ from .perplexity import evaluate_lm, shard_val_loss
 DATA_FILES = {"arc_easy": "arc-easy", "arc_challenge": "arc-challenge", "hellaswag": "hellaswag", "piqa": "piqa",
               "openbookqa": "openbookqa", "winogrande": "winogrande", "mmlu": "mmlu", "mmlu_mc": "mmlu",
               "gsm8k": "gsm8k", "humaneval": "humaneval"}  # fmt: skip
-TASKS = [*DATA_FILES, "val_loss", "perplexity", "chat"]
+TASKS = [*DATA_FILES, "val_loss", "perplexity", "chat", "induction"]
 # the headline metric of each task (OLMES's choice of acc vs acc_norm for the cloze tasks)
 PRIMARY = {"arc_easy": "acc", "arc_challenge": "acc_norm", "hellaswag": "acc_norm", "piqa": "acc_norm",
            "openbookqa": "acc_norm", "winogrande": "acc", "mmlu": "acc_norm", "mmlu_mc": "acc",
            "gsm8k": "exact_match", "humaneval": "pass@1", "val_loss": "loss",
-           "perplexity": "bits_per_byte", "chat": "on_topic"}  # fmt: skip
+           "perplexity": "bits_per_byte", "chat": "on_topic", "induction": "induction_gain"}  # fmt: skip
 FETCH_HINT = "fetch the evaluation sets with `tokenmind data fetch eval` (writes data/eval/*.jsonl)"
 
 
@@ -169,6 +171,9 @@ def _run_task(task: str, cfg: EvalConfig, model, tokenizer, items: list[dict[str
         judge = load_model(cfg.judge) if cfg.judge else None
         baseline = load_baseline(cfg.chat_baseline)["answers"] if cfg.chat_baseline else None
         return evaluate_chat(model, tokenizer, judge and judge.model, judge and judge.tokenizer, baseline)
+    if task == "induction":
+        vocab = min(model.cfg.vocab_size, tokenizer.vocab_size)  # ids past the tokenizer's were never trained
+        return evaluate_induction(model, vocab, batch_size=cfg.batch_size, seed=cfg.seed)
     if task == "val_loss":
         return shard_val_loss(model, cfg.shards_dir, cfg.val_batches, cfg.seq_len, cfg.batch_size, tokenizer,
                               progress=bars.add(task, cfg.val_batches))
@@ -187,7 +192,8 @@ def print_table(results: dict[str, Any]) -> None:
         table.add_column(column, justify="left" if column in ("task", "metric") else "right")
     for task, metrics in results["tasks"].items():
         names = [metrics["primary"]] + [k for k in ("acc", "acc_norm", "acc_per_token", "loss", "perplexity",
-                                                    "bits_per_byte", "fluency_ratio", "mc_letter_starts")
+                                                    "bits_per_byte", "fluency_ratio", "mc_letter_starts", "first_copy_loss",
+                                                    "second_copy_loss")
                                         if k in metrics and k != metrics["primary"]]
         pref = metrics.get("preference") or {}
         extra = {f"judge_{k}": pref[k] for k in ("win_rate", "corrected_win_rate", "position_bias") if k in pref}

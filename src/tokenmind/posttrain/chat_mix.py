@@ -10,7 +10,9 @@ Conversations (`{"id", "messages"}`):
 * facts and definitions as questions and full-sentence answers (`quiz-qa`, `wordnet-definitions`);
 * the teacher's answers to simple questions and its explanations;
 * multi-turn conversations strung from those single exchanges, so later turns stay on topic;
-* some multiple-choice questions, answered with a sentence that names the choice, not a bare letter.
+* some multiple-choice questions, answered with a sentence that names the choice, not a bare letter;
+* with `fact_replay`, the fact sentences again as plain documents (`sft/replay.jsonl`, trained on
+  every token): fine-tuning otherwise overwrites what only the pre-training text taught.
 
 The held-out chat prompts (`eval/data/chat_prompts.jsonl`) never reach training: a conversation
 whose user turn is one of them (after normalizing case, spaces and punctuation) is dropped, and so
@@ -325,11 +327,14 @@ class ChatMixConfig:
     qa_repeats: int = 0  # the question-answer chats as text in pre-training (`qa_documents`), this many times over
     quiz_answers: str = "all"  # the quiz answers' word order: all, subject-first or answer-first (`prefer_answers`)
     template_repeats: int = 1  # the template chats in SFT, this many times over (`repeated_templates`)
+    fact_replay: int = 0  # the fact sentences this many times over in SFT too, as plain text (`sft/replay.jsonl`)
     multi_turn: int = 1500  # multi-turn conversations strung from the single exchanges
     mc_limit: int = 1000  # multiple-choice chats, answered with a sentence
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.fact_replay < 0:
+            raise ValueError(f"mix.fact_replay must be >= 0 (0 = no fact text in SFT), got {self.fact_replay}")
         if self.template_repeats < 1:
             raise ValueError(f"mix.template_repeats must be >= 1 (1 = each template chat once), "
                              f"got {self.template_repeats}")
@@ -350,9 +355,14 @@ def build_chat_mix(data_dir: str | Path, out_dir: str | Path, cfg: ChatMixConfig
     kept = {name: [d for d in docs if not held.in_text(d["text"])] for name, docs in {**facts, **prose}.items()}
     counts.update({f"pretrain/{name}": len(docs) for name, docs in kept.items()})
     definitions = cfg.fact_repeats if cfg.definition_repeats is None else cfg.definition_repeats
-    fact_docs = (fact_documents([d for name in facts if name != "wordnet-common" for d in kept[name]],
-                                cfg.fact_repeats, rng)
+    fact_sources = [d for name in facts if name != "wordnet-common" for d in kept[name]]
+    fact_docs = (fact_documents(fact_sources, cfg.fact_repeats, rng)
                  + fact_documents(kept.get("wordnet-common", []), definitions, rng))
+    # the facts again as plain text in SFT: what only pre-training teaches (the held-out subjects' facts)
+    # is otherwise overwritten by a few hundred SFT steps at a fine-tuning learning rate
+    replay_rng = random.Random(cfg.seed + 2)
+    replay = [d for group in (fact_sources, kept.get("wordnet-common", []))
+              for d in fact_documents(group, cfg.fact_replay, replay_rng)]
     prose_docs = [d for name in prose for d in kept[name]]
     rng.shuffle(prose_docs)
     sft = {"templates": list(template_chats(rng)), "teacher-answers": teacher_chats("answers"),
@@ -377,6 +387,8 @@ def build_chat_mix(data_dir: str | Path, out_dir: str | Path, cfg: ChatMixConfig
     # facts and QA first, the teacher's prose after them: the validation split takes the corpus's
     # last documents, and must not take away facts the held-out prompts ask about
     counts["pretrain/documents"] = write_jsonl(out / "pretrain" / "mix.jsonl", fact_docs + qa_docs + prose_docs)
+    if replay:
+        sft["replay"] = [{"id": f"replay-{d['id']}", "text": d["text"]} for d in replay]
     for name, chats in sft.items():
         counts[f"sft/{name}"] = write_jsonl(out / "sft" / f"{name}.jsonl", chats)
     return counts

@@ -17,6 +17,10 @@ conversation gets exactly the logits it would get alone. Packing is best-fit dec
 where filling rows in reading order leaves about half a conversation per row; the rest of a
 row is padding: its own document, never attended to from real tokens and never trained on.
 
+A line may also be a plain document, `{"text": ...}`, trained on every token as in pre-training and
+ended with the eos token: replaying some pre-training text during SFT keeps a small model from
+forgetting what only that text taught it (facts about subjects no conversation mentions).
+
 A conversation longer than `seq_len` keeps its first `seq_len` positions (the prompt and the
 start of the answer) and is counted as truncated; one with no assistant token left to train
 on is dropped and counted. Rows are packed once; `ChatLoader` serves them in a seeded order
@@ -60,14 +64,22 @@ def expand_files(specs: Sequence[str]) -> list[Path]:
     return paths
 
 
-def read_conversations(paths: Sequence[Path]) -> list[list[dict[str, Any]]]:
+Conversation = list[dict[str, Any]]
+
+
+def read_conversations(paths: Sequence[Path]) -> list[Conversation | str]:
     """The `messages` of every line of the JSONL files, checked: each message has a known role
-    and string content, and each conversation has an assistant turn to learn from."""
-    conversations = []
+    and string content, and each conversation has an assistant turn to learn from; a line with
+    `text` instead is a plain document (see the module docstring), kept as its string."""
+    conversations: list[Conversation | str] = []
     for where, record in located_objects(paths):
         messages = record.get("messages")
+        if messages is None and isinstance(record.get("text"), str) and record["text"].strip():
+            conversations.append(record["text"])
+            continue
         if not isinstance(messages, list) or not messages:
-            raise ValueError(f'{where}: needs "messages": a non-empty list of {{"role", "content"}} objects')
+            raise ValueError(f'{where}: needs "messages": a non-empty list of {{"role", "content"}} objects '
+                             '(or "text": a plain document, trained on every token)')
         for m in messages:
             if not (isinstance(m, Mapping) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
                 raise ValueError(f"{where}: bad message {m!r}; each needs a role ({', '.join(ROLES)}) "
@@ -106,10 +118,20 @@ class ChatData:
     turn_end_ids: set[int] = field(default_factory=set)
 
 
-def prepare_chat_data(tokenizer: Tokenizer, conversations: Sequence[Sequence[Mapping[str, Any]]], seq_len: int,
-                      val_fraction: float = 0.0, seed: int = 0) -> ChatData:
+def render_document(tokenizer: Tokenizer, text: str) -> tuple[list[int], list[int]]:
+    """A plain document as pre-training sees it: its tokens and the eos token, every one a target."""
+    if tokenizer.eos_token_id is None:
+        raise ValueError("a plain-text SFT document needs the tokenizer's eos token to end it; this tokenizer "
+                         "has none: give the document as a conversation instead")
+    ids = tokenizer.encode(text) + [tokenizer.eos_token_id]
+    return ids, [1] * len(ids)
+
+
+def prepare_chat_data(tokenizer: Tokenizer, conversations: Sequence[Sequence[Mapping[str, Any]] | str],
+                      seq_len: int, val_fraction: float = 0.0, seed: int = 0) -> ChatData:
     """Split conversations into train/val by a seeded permutation (val gets round(n × val_fraction),
-    at least one when val_fraction > 0), render each, truncate to seq_len, drop the untrainable."""
+    at least one when val_fraction > 0), render each (a string: `render_document`), truncate to
+    seq_len, drop the untrainable."""
     n = len(conversations)
     if n == 0:
         raise ValueError("no conversations to train on: the data.files hold no JSONL lines")
@@ -120,8 +142,11 @@ def prepare_chat_data(tokenizer: Tokenizer, conversations: Sequence[Sequence[Map
     truncated = dropped = 0
     turn_ends: set[int] = set()
     for messages, in_val in zip(conversations, is_val):
-        ids, mask = tokenizer.render_chat(messages)
-        turn_ends.update(ids[i] for i in range(len(ids)) if mask[i] and (i + 1 == len(ids) or not mask[i + 1]))
+        if isinstance(messages, str):
+            ids, mask = render_document(tokenizer, messages)
+        else:
+            ids, mask = tokenizer.render_chat(messages)
+            turn_ends.update(ids[i] for i in range(len(ids)) if mask[i] and (i + 1 == len(ids) or not mask[i + 1]))
         truncated += len(ids) > seq_len
         example = to_example(ids, mask, seq_len)
         if (example.targets == IGNORE_INDEX).all():
