@@ -192,8 +192,8 @@ def print_table(results: dict[str, Any]) -> None:
         table.add_column(column, justify="left" if column in ("task", "metric") else "right")
     for task, metrics in results["tasks"].items():
         names = [metrics["primary"]] + [k for k in ("acc", "acc_norm", "acc_per_token", "loss", "perplexity",
-                                                    "bits_per_byte", "fluency_ratio", "mc_letter_starts", "first_copy_loss",
-                                                    "second_copy_loss")
+                                                    "bits_per_byte", "fluency_ratio", "mc_letter_starts",
+                                                    "first_copy_loss", "second_copy_loss")
                                         if k in metrics and k != metrics["primary"]]
         pref = metrics.get("preference") or {}
         extra = {f"judge_{k}": pref[k] for k in ("win_rate", "corrected_win_rate", "position_bias") if k in pref}
